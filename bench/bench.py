@@ -1,0 +1,243 @@
+"""sandgate benchmark: API latencies against baselines measured in the same run.
+
+    .venv/bin/python bench/bench.py [--runtime bwrap] [--n 300] [--creates 40]
+
+Starts a real `sandgate server` (SQLite) and `sandgate worker`, then measures:
+- create-to-running latency (POST /api/v1/sandboxes until the 201), p50/p99;
+- `execute` of `echo ok` through the API, p50/p99, and throughput with 8 concurrent clients;
+- baselines: `subprocess.run(["bash", "-c", "echo ok"])` on the host, and the same command
+  sent straight to an in-sandbox agent over its pipes (no HTTP, no tunnel);
+- memory (PSS) per idle sandbox;
+and prints the ratios API/baseline. Numbers are medians of one run on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def summary(values: list[float]) -> str:
+    return f"p50 {statistics.median(values):7.2f} ms   p99 {pct(values, 99):7.2f} ms   (n={len(values)})"
+
+
+def sandgate(*args: str, env: dict[str, str] | None = None) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "sandgate", *args], check=True, capture_output=True, text=True,
+        env={**os.environ, **(env or {})},
+    ).stdout.strip()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def baseline_spawn(n: int) -> list[float]:
+    times = []
+    for i in range(n + 20):
+        start = time.perf_counter()
+        subprocess.run(["bash", "-c", "echo ok"], capture_output=True, check=True)
+        if i >= 20:
+            times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+async def baseline_agent(runtime_name: str, n: int, state_dir: Path) -> list[float]:
+    """The same command through an in-sandbox agent, no HTTP and no tunnel in between."""
+    from sandgate.worker.agent_link import AgentLink
+    from sandgate.worker.main import install_agent
+    from sandgate.worker.runtime.base import SandboxSpec
+
+    agent_dir = state_dir / "agent"
+    install_agent(agent_dir)
+    if runtime_name == "bwrap":
+        from sandgate.worker.runtime.bwrap import BwrapRuntime
+
+        runtime = BwrapRuntime(state_dir, agent_dir, worker_name="bench-agent")
+    else:
+        from sandgate.worker.runtime.process import ProcessRuntime
+
+        runtime = ProcessRuntime(state_dir, agent_dir, worker_name="bench-agent")
+    await runtime.prepare()
+    running = await runtime.start(SandboxSpec(name="bench-agent-sbx"))
+    link = AgentLink("bench", running.process)
+    serve = asyncio.ensure_future(link.serve())
+    try:
+        await asyncio.wait_for(link.ready.wait(), 20)
+        times = []
+        for i in range(n + 20):
+            start = time.perf_counter()
+            reply, _ = await link.channel.call(
+                "exec", language="bash", code="echo ok", timeout=10, env={}, cwd="/workspace"
+            )
+            assert reply["stdout"] == "ok\n", reply
+            if i >= 20:
+                times.append((time.perf_counter() - start) * 1000)
+        return times
+    finally:
+        await link.close()
+        await runtime.stop(running)
+        serve.cancel()
+        await asyncio.gather(serve, return_exceptions=True)
+
+
+def pss_of_sandboxes(state_dir: Path, worker: str) -> tuple[float, int] | None:
+    """Mean PSS (MiB) of the processes of each sandbox, read from its cgroup."""
+    base = Path("/sys/fs/cgroup/pids/sandgate") / worker
+    if not base.exists():
+        return None
+    totals = []
+    for group in base.iterdir():
+        if not group.is_dir():
+            continue
+        kib = 0
+        for pid in (group / "cgroup.procs").read_text().split():
+            try:
+                for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                    if line.startswith("Pss:"):
+                        kib += int(line.split()[1])
+            except OSError:
+                continue
+        totals.append(kib / 1024)
+    return (statistics.mean(totals), len(totals)) if totals else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runtime", default="bwrap", choices=["bwrap", "process"])
+    parser.add_argument("--n", type=int, default=300, help="sequential execute samples")
+    parser.add_argument("--creates", type=int, default=40, help="create samples")
+    parser.add_argument("--seconds", type=float, default=5.0, help="throughput window")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="sandgate-bench-"))
+    state_dir = Path("/var/lib/sandgate-bench") / uuid.uuid4().hex[:8]
+    db = f"sqlite:///{work / 'bench.db'}"
+    key = sandgate("keys", "create", "--db", db, "--tenant", "bench")
+    token = sandgate("keys", "create", "--db", db, "--worker")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(work / "bench.log", "ab")  # noqa: SIM115
+    server = subprocess.Popen(
+        [sys.executable, "-m", "sandgate", "server", "--db", db, "--port", str(port), "--log-level", "WARNING"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "sandgate", "worker", "--server", url, "--name", "bench",
+         "--runtime", args.runtime, "--capacity", "64", "--state-dir", str(state_dir), "--log-level", "WARNING"],
+        env={**os.environ, "SANDGATE_TOKEN": token}, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    headers = {"Authorization": f"Bearer {key}"}
+    try:
+        with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    workers = client.get("/api/v1/workers").json()["workers"]
+                    if any(w["connected"] for w in workers):
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+            else:
+                raise SystemExit(f"worker did not connect; see {work / 'bench.log'}")
+
+            print(f"sandgate bench  runtime={args.runtime}  cpus={os.cpu_count()}  load={os.getloadavg()[0]:.2f}")
+            spawn = baseline_spawn(args.n)
+            agent = asyncio.run(baseline_agent(args.runtime, args.n, state_dir / "agent-baseline"))
+
+            creates = []
+            names = []
+            for i in range(args.creates + 3):
+                start = time.perf_counter()
+                response = client.post("/api/v1/sandboxes", json={})
+                elapsed = (time.perf_counter() - start) * 1000
+                assert response.status_code == 201, response.text
+                assert response.json()["state"] == "running"
+                names.append(response.json()["name"])
+                if i >= 3:
+                    creates.append(elapsed)
+            memory = pss_of_sandboxes(state_dir, "bench") if args.runtime == "bwrap" else None
+
+            target = names[0]
+            execs = []
+            for i in range(args.n + 20):
+                start = time.perf_counter()
+                response = client.post(f"/api/v1/sandboxes/{target}/execute", json={"code": "echo ok"})
+                elapsed = (time.perf_counter() - start) * 1000
+                assert response.json()["stdout"] == "ok\n", response.text
+                if i >= 20:
+                    execs.append(elapsed)
+
+            counts = [0] * 8
+            stop_at = time.monotonic() + args.seconds
+
+            def hammer(slot: int) -> None:
+                with httpx.Client(base_url=url, headers=headers, timeout=60) as own:
+                    while time.monotonic() < stop_at:
+                        r = own.post(f"/api/v1/sandboxes/{names[slot % len(names)]}/execute", json={"code": "echo ok"})
+                        if r.status_code == 200:
+                            counts[slot] += 1
+
+            threads = [threading.Thread(target=hammer, args=(i,)) for i in range(8)]
+            began = time.monotonic()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            throughput = sum(counts) / (time.monotonic() - began)
+
+            for name in names:
+                client.delete(f"/api/v1/sandboxes/{name}")
+
+        spawn_p50 = statistics.median(spawn)
+        print()
+        print(f"baseline  host subprocess bash -c 'echo ok'  {summary(spawn)}")
+        print(f"baseline  in-sandbox agent, no HTTP         {summary(agent)}")
+        print(f"API       execute echo ok                   {summary(execs)}")
+        print(f"API       create-to-running                 {summary(creates)}")
+        print(f"API       execute throughput, 8 clients     {throughput:7.1f} req/s")
+        if memory:
+            print(f"memory    PSS per idle sandbox              {memory[0]:7.2f} MiB (mean of {memory[1]})")
+        print()
+        print(f"ratio     API execute p50 / host spawn p50   {statistics.median(execs) / spawn_p50:5.2f}x  (target <= 3)")
+        print(f"ratio     API execute p50 / agent p50        {statistics.median(execs) / statistics.median(agent):5.2f}x")
+        print(f"target    create-to-running p50 <= 100 ms    {'met' if statistics.median(creates) <= 100 else 'MISSED'}")
+    finally:
+        for proc in (worker, server):
+            proc.send_signal(signal.SIGTERM)
+        for proc in (worker, server):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        shutil.rmtree(state_dir, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from sandgate.cli.main import main
+
+main()

@@ -1,0 +1,117 @@
+"""The one wire format sandgate speaks between its own processes (sans-IO).
+
+Used on the worker tunnel (one WebSocket binary message = one frame) and on the pipe
+between a worker and the agent inside each sandbox. Standard library only: this file is
+bind-mounted into every sandbox next to the agent and imported there by the system Python.
+
+A frame is a JSON header (a dict) plus an opaque binary payload:
+
+    u32 header length | u32 payload length | header (UTF-8 JSON) | payload
+
+Requests carry ``{"id": int, "op": str, ...}``; responses carry ``{"id": int, "ok": bool, ...}``
+and, when ``ok`` is false, ``{"error": {"code": str, "message": str}}``. A frame with no ``id``
+is an unsolicited event (``{"event": "ready", ...}``).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any, BinaryIO
+
+PREFIX = struct.Struct(">II")
+MAX_HEADER_BYTES = 1 << 20
+MAX_PAYLOAD_BYTES = 8 << 20
+
+Header = dict[str, Any]
+
+
+class FrameError(ValueError):
+    """A peer sent bytes that are not a valid frame; the link must be closed."""
+
+
+def encode(header: Header, payload: bytes = b"") -> bytes:
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(raw) > MAX_HEADER_BYTES:
+        raise FrameError(f"frame header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise FrameError(f"frame payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    return PREFIX.pack(len(raw), len(payload)) + raw + payload
+
+
+def decode(frame: bytes) -> tuple[Header, bytes]:
+    """Decode exactly one frame (a whole WebSocket message)."""
+    if len(frame) < PREFIX.size:
+        raise FrameError("frame shorter than its length prefix")
+    hlen, plen = PREFIX.unpack_from(frame)
+    if hlen > MAX_HEADER_BYTES or plen > MAX_PAYLOAD_BYTES:
+        raise FrameError("frame length prefix out of bounds")
+    if len(frame) != PREFIX.size + hlen + plen:
+        raise FrameError("frame length does not match its prefix")
+    header = _parse_header(frame[PREFIX.size : PREFIX.size + hlen])
+    return header, bytes(frame[PREFIX.size + hlen :])
+
+
+class FrameDecoder:
+    """Incremental decoder for a byte stream (a pipe): feed bytes, get whole frames."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[Header, bytes]]:
+        self._buffer += data
+        frames: list[tuple[Header, bytes]] = []
+        while len(self._buffer) >= PREFIX.size:
+            hlen, plen = PREFIX.unpack_from(self._buffer)
+            if hlen > MAX_HEADER_BYTES or plen > MAX_PAYLOAD_BYTES:
+                raise FrameError("frame length prefix out of bounds")
+            end = PREFIX.size + hlen + plen
+            if len(self._buffer) < end:
+                break
+            header = _parse_header(bytes(self._buffer[PREFIX.size : PREFIX.size + hlen]))
+            payload = bytes(self._buffer[PREFIX.size + hlen : end])
+            del self._buffer[:end]
+            frames.append((header, payload))
+        return frames
+
+
+def read_frame(stream: BinaryIO) -> tuple[Header, bytes] | None:
+    """Blocking read of one frame from a binary file; None at a clean end of stream."""
+    prefix = _read_exact(stream, PREFIX.size)
+    if prefix is None:
+        return None
+    hlen, plen = PREFIX.unpack(prefix)
+    if hlen > MAX_HEADER_BYTES or plen > MAX_PAYLOAD_BYTES:
+        raise FrameError("frame length prefix out of bounds")
+    body = _read_exact(stream, hlen + plen)
+    if body is None:
+        raise FrameError("stream ended inside a frame")
+    return _parse_header(body[:hlen]), body[hlen:]
+
+
+def error_header(request_id: int | None, code: str, message: str) -> Header:
+    return {"id": request_id, "ok": False, "error": {"code": code, "message": message}}
+
+
+def _read_exact(stream: BinaryIO, size: int) -> bytes | None:
+    chunks = []
+    remaining = size
+    while remaining:
+        chunk = stream.read(remaining)
+        if not chunk:
+            if remaining == size:
+                return None
+            raise FrameError("stream ended inside a frame")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def _parse_header(raw: bytes) -> Header:
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise FrameError(f"frame header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise FrameError("frame header is not a JSON object")
+    return header

@@ -1,0 +1,66 @@
+"""create_app(settings): the ASGI app of one API instance."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from sandgate.api import errors
+from sandgate.api.deps import Services
+from sandgate.api.limits import BodyLimit
+from sandgate.api.routes import files, sandboxes, system
+from sandgate.config import ServerSettings
+from sandgate.control.reaper import Reaper
+from sandgate.control.sandboxes import SandboxService
+from sandgate.control.workers import WorkerRegistry
+from sandgate.local_state import ServerLocalState
+from sandgate.store.sql import open_store
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: ServerSettings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = await open_store(settings.db_url)
+        state = ServerLocalState()
+        node_url = settings.node_url or f"http://{settings.host}:{settings.port}"
+        workers = WorkerRegistry(store, state, node_url=node_url)
+        service = SandboxService(store, state, workers, settings)
+        app.state.services = Services(settings, store, state, workers, service)
+        reaper = asyncio.create_task(Reaper(service, interval=settings.reaper_interval).run())
+        log.info("server.started", extra={"node_url": node_url})
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+            for session in list(state.tunnels.values()):
+                session.channel.close(errors_module_unavailable())
+            await store.aclose()
+
+    app = FastAPI(
+        title="sandgate",
+        version="0.1.0",
+        description="Control plane for code-execution sandboxes.",
+        lifespan=lifespan,
+    )
+    errors.install(app)
+    app.include_router(sandboxes.router)
+    app.include_router(files.router)
+    app.include_router(system.router)
+    app.add_middleware(
+        BodyLimit, max_bytes=settings.max_json_bytes, streaming_suffixes=("/toolbox/files",)
+    )
+    return app
+
+
+def errors_module_unavailable() -> Exception:
+    from sandgate.errors import TunnelUnavailableError
+
+    return TunnelUnavailableError("server shutting down")

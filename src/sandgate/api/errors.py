@@ -1,0 +1,101 @@
+"""The only place that knows HTTP statuses: domain errors → `{"error": {code, message}}`."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sandgate import errors as e
+
+log = logging.getLogger(__name__)
+
+_STATUS: list[tuple[type[e.SandgateError], int]] = [
+    (e.IdempotencyMismatchError, 422),
+    (e.NetworkUnavailableError, 422),
+    (e.PathOutsideSandboxError, 403),
+    (e.InvalidRequestError, 400),
+    (e.AuthError, 401),
+    (e.NotFoundError, 404),
+    (e.ConflictError, 409),
+    (e.PayloadTooLargeError, 413),
+    (e.UnavailableError, 503),
+    (e.SandboxTimeoutError, 504),
+    (e.WorkerError, 502),
+    (e.StoreError, 503),
+]
+
+_HTTP_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+}
+
+
+def status_of(exc: e.SandgateError) -> int:
+    for cls, status in _STATUS:
+        if isinstance(exc, cls):
+            return status
+    return 500
+
+
+def error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"code": code, "message": message}}, status_code=status, headers=headers
+    )
+
+
+async def _domain(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, e.SandgateError)
+    status = status_of(exc)
+    headers = None
+    if isinstance(exc, e.UnavailableError):
+        headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
+    elif isinstance(exc, e.StoreError):
+        headers = {"Retry-After": "1"}
+    if status >= 500:
+        log.warning("request.failed", extra={"code": exc.code, "error": exc.message})
+    return error_response(status, exc.code, exc.message, headers)
+
+
+async def _validation(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    problems = exc.errors()
+    if any(p.get("type") == "json_invalid" for p in problems):
+        return error_response(400, "invalid_json", "the request body is not valid JSON")
+    parts = []
+    for problem in problems[:5]:
+        where = ".".join(str(x) for x in problem.get("loc", ()) if x != "body") or "body"
+        parts.append(f"{where}: {problem.get('msg', 'invalid')}")
+    return error_response(422, "validation_error", "; ".join(parts))
+
+
+async def _http(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = _HTTP_CODES.get(exc.status_code, "http_error")
+    message = str(exc.detail) if exc.detail else code.replace("_", " ")
+    if exc.status_code == 404 and exc.detail == "Not Found":
+        message = f"no route for {request.method} {request.url.path}"
+    return error_response(exc.status_code, code, message, dict(exc.headers or {}) or None)
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("request.crashed", extra={"path": request.url.path})
+    return error_response(500, "internal", "internal error; the server log has the details")
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(e.SandgateError, _domain)
+    app.add_exception_handler(RequestValidationError, _validation)
+    app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(Exception, _unexpected)

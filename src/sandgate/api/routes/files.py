@@ -1,0 +1,145 @@
+"""`/api/v1/sandboxes/{name}/toolbox/files`: streamed upload/download and file operations.
+
+Data crosses the tunnel in chunks of `file_chunk_bytes`, each acknowledged before the next
+is sent, so neither end holds a whole file in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import StreamingResponse
+
+from sandgate.api.deps import Services, services, tenant
+from sandgate.api.routes.sandboxes import ERRORS
+from sandgate.api.schemas import FileEntry, FileList, MakeDir, Move
+from sandgate.errors import PayloadTooLargeError, SandgateError
+from sandgate.store.base import TenantId
+
+router = APIRouter(prefix="/api/v1/sandboxes/{name}/toolbox/files", tags=["files"])
+
+Tenant = Annotated[TenantId, Depends(tenant)]
+Svc = Annotated[Services, Depends(services)]
+PathQuery = Annotated[str, Query(min_length=1, max_length=4096)]
+
+
+@router.put("", response_model=FileEntry, responses=ERRORS)
+async def upload(name: str, path: PathQuery, request: Request, who: Tenant, svc: Svc) -> Any:
+    call = svc.sandboxes.agent_call
+    reply, _ = await call(who, name, {"op": "open_write", "path": path})
+    handle = reply["handle"]
+    committed = False
+    try:
+        total = 0
+        pending = bytearray()
+        chunk = svc.settings.file_chunk_bytes
+        async for data in request.stream():
+            total += len(data)
+            if total > svc.settings.max_upload_bytes:
+                raise PayloadTooLargeError(
+                    f"upload over {svc.settings.max_upload_bytes} bytes; split the file"
+                )
+            pending += data
+            while len(pending) >= chunk:
+                await call(who, name, {"op": "write", "handle": handle}, bytes(pending[:chunk]))
+                del pending[:chunk]
+        if pending:
+            await call(who, name, {"op": "write", "handle": handle}, bytes(pending))
+        reply, _ = await call(who, name, {"op": "close_write", "handle": handle, "commit": True})
+        committed = True
+        return reply["entry"]
+    finally:
+        if not committed:
+            await asyncio.shield(_discard(svc, who, name, handle))
+
+
+async def _discard(svc: Services, who: TenantId, name: str, handle: str) -> None:
+    try:
+        await svc.sandboxes.agent_call(
+            who, name, {"op": "close_write", "handle": handle, "commit": False}
+        )
+    except SandgateError:
+        pass  # the agent closes idle handles itself
+
+
+@router.get("", responses={**ERRORS, 200: {"content": {"application/octet-stream": {}}}})
+async def download(name: str, path: PathQuery, who: Tenant, svc: Svc) -> StreamingResponse:
+    call = svc.sandboxes.agent_call
+    reply, _ = await call(who, name, {"op": "open_read", "path": path})
+    handle, size = reply["handle"], int(reply["size"])
+    chunk = svc.settings.file_chunk_bytes
+
+    async def body() -> AsyncIterator[bytes]:
+        sent = 0
+        try:
+            while sent < size:
+                _, data = await call(
+                    who, name, {"op": "read", "handle": handle, "length": min(chunk, size - sent)}
+                )
+                if not data:
+                    raise SandgateError(f"{path} shrank while it was being downloaded")
+                sent += len(data)
+                yield data
+        finally:
+            await asyncio.shield(_close_read(svc, who, name, handle))
+
+    filename = path.rstrip("/").rsplit("/", 1)[-1] or "download"
+    return StreamingResponse(
+        body(),
+        media_type="application/octet-stream",
+        headers={
+            "Content-Length": str(size),
+            "Content-Disposition": f'attachment; filename="{_quote(filename)}"',
+        },
+    )
+
+
+async def _close_read(svc: Services, who: TenantId, name: str, handle: str) -> None:
+    try:
+        await svc.sandboxes.agent_call(who, name, {"op": "close_read", "handle": handle})
+    except SandgateError:
+        pass
+
+
+@router.delete("", status_code=204, responses=ERRORS)
+async def remove(
+    name: str,
+    path: PathQuery,
+    who: Tenant,
+    svc: Svc,
+    recursive: bool = False,
+) -> None:
+    await svc.sandboxes.agent_call(who, name, {"op": "remove", "path": path, "recursive": recursive})
+
+
+@router.get("/list", response_model=FileList, responses=ERRORS)
+async def list_dir(name: str, who: Tenant, svc: Svc, path: PathQuery = "/workspace") -> Any:
+    reply, _ = await svc.sandboxes.agent_call(who, name, {"op": "list", "path": path})
+    return {"entries": reply["entries"]}
+
+
+@router.get("/stat", response_model=FileEntry, responses=ERRORS)
+async def stat(name: str, path: PathQuery, who: Tenant, svc: Svc) -> Any:
+    reply, _ = await svc.sandboxes.agent_call(who, name, {"op": "stat", "path": path})
+    return reply["entry"]
+
+
+@router.post("/mkdir", response_model=FileEntry, status_code=201, responses=ERRORS)
+async def mkdir(name: str, body: MakeDir, who: Tenant, svc: Svc) -> Any:
+    call = {"op": "mkdir", "path": body.path, "parents": body.parents}
+    reply, _ = await svc.sandboxes.agent_call(who, name, call)
+    return reply["entry"]
+
+
+@router.post("/move", response_model=FileEntry, responses=ERRORS)
+async def move(name: str, body: Move, who: Tenant, svc: Svc) -> Any:
+    call = {"op": "move", "src": body.source, "dst": body.destination, "overwrite": body.overwrite}
+    reply, _ = await svc.sandboxes.agent_call(who, name, call)
+    return reply["entry"]
+
+
+def _quote(filename: str) -> str:
+    return "".join(c if c.isprintable() and c not in '"\\' else "_" for c in filename)

@@ -1,0 +1,151 @@
+"""`/api/v1/sandboxes`: create, list, get, delete, extend, execute."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from sandgate.api.deps import Services, services, tenant
+from sandgate.api.schemas import (
+    CreateSandbox,
+    ErrorOut,
+    Execute,
+    ExecuteOut,
+    ExtendTimeout,
+    SandboxList,
+    SandboxOut,
+)
+from sandgate.control.sandboxes import CreateRequest
+from sandgate.errors import InvalidRequestError
+from sandgate.store.base import Sandbox, SandboxFilter, SandboxName, TenantId
+
+router = APIRouter(prefix="/api/v1", tags=["sandboxes"])
+
+Tenant = Annotated[TenantId, Depends(tenant)]
+Svc = Annotated[Services, Depends(services)]
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    s: {"model": ErrorOut} for s in (400, 401, 404, 409, 413, 422, 503, 504)
+}
+STATES = ("pending", "running", "stopped", "error", "deleted")
+
+
+def sandbox_out(sandbox: Sandbox) -> dict[str, Any]:
+    return SandboxOut(
+        name=sandbox.name,
+        state=sandbox.state,
+        template=sandbox.template,
+        metadata=sandbox.metadata,
+        worker=sandbox.worker,
+        network=sandbox.network,
+        resources=sandbox.resources,
+        timeout=sandbox.timeout,
+        created_at=sandbox.created_at,
+        started_at=sandbox.started_at,
+        expires_at=sandbox.expires_at,
+        error=sandbox.error,
+    ).model_dump(mode="json")
+
+
+@router.post("/sandboxes", status_code=201, response_model=SandboxOut, responses=ERRORS)
+async def create_sandbox(
+    body: CreateSandbox,
+    who: Tenant,
+    svc: Svc,
+    idempotency_key: Annotated[str | None, Header()] = None,
+) -> JSONResponse:
+    timeout = body.timeout if body.timeout is not None else svc.settings.default_timeout
+    if timeout > svc.settings.max_timeout:
+        raise InvalidRequestError(f"timeout is at most {svc.settings.max_timeout:g} seconds")
+    request = CreateRequest(
+        template=body.template,
+        timeout=timeout,
+        metadata=body.metadata,
+        env=body.env,
+        network=body.network,
+        resources=body.resources.model_dump(),
+        body=body.model_dump(mode="json") | {"timeout": timeout},
+    )
+    result = await svc.sandboxes.create(who, request, idempotency_key)
+    if result.replayed:
+        return JSONResponse(
+            sandbox_out(result.sandbox), status_code=200, headers={"Idempotent-Replayed": "true"}
+        )
+    return JSONResponse(sandbox_out(result.sandbox), status_code=201)
+
+
+@router.get("/sandboxes", response_model=SandboxList, responses=ERRORS)
+async def list_sandboxes(
+    request: Request,
+    who: Tenant,
+    svc: Svc,
+    state: Annotated[str | None, Query(description="comma-separated states")] = None,
+    cursor: Annotated[str | None, Query(max_length=128)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> dict[str, Any]:
+    states: tuple[Any, ...] = ()
+    if state:
+        states = tuple(s.strip() for s in state.split(",") if s.strip())
+        unknown = [s for s in states if s not in STATES]
+        if unknown:
+            raise InvalidRequestError(f"unknown state {unknown[0]!r}; use one of {', '.join(STATES)}")
+    metadata = {
+        key.removeprefix("metadata."): value
+        for key, value in request.query_params.items()
+        if key.startswith("metadata.") and len(key) > len("metadata.")
+    }
+    where = SandboxFilter(
+        states=states, metadata=metadata, after=SandboxName(cursor) if cursor else None, limit=limit + 1
+    )
+    found = await svc.sandboxes.list(who, where)
+    page = found[:limit]
+    next_cursor = page[-1].name if len(found) > limit else None
+    return {"sandboxes": [sandbox_out(s) for s in page], "next_cursor": next_cursor}
+
+
+@router.get("/sandboxes/{name}", response_model=SandboxOut, responses=ERRORS)
+async def get_sandbox(name: str, who: Tenant, svc: Svc) -> dict[str, Any]:
+    return sandbox_out(await svc.sandboxes.get(who, name))
+
+
+@router.delete("/sandboxes/{name}", status_code=204, responses=ERRORS)
+async def delete_sandbox(name: str, who: Tenant, svc: Svc) -> Response:
+    await svc.sandboxes.delete(who, name)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{name}/timeout", response_model=SandboxOut, responses=ERRORS)
+async def extend_timeout(name: str, body: ExtendTimeout, who: Tenant, svc: Svc) -> dict[str, Any]:
+    if body.timeout > svc.settings.max_timeout:
+        raise InvalidRequestError(f"timeout is at most {svc.settings.max_timeout:g} seconds")
+    return sandbox_out(await svc.sandboxes.extend(who, name, body.timeout))
+
+
+async def _execute(name: str, body: Execute, who: TenantId, svc: Services) -> dict[str, Any]:
+    timeout = body.timeout if body.timeout is not None else svc.settings.default_exec_timeout
+    if timeout > svc.settings.max_exec_timeout:
+        raise InvalidRequestError(f"timeout is at most {svc.settings.max_exec_timeout:g} seconds")
+    call = {
+        "op": "exec",
+        "language": body.language,
+        "code": body.code,
+        "timeout": timeout,
+        "env": body.env,
+        "cwd": body.cwd,
+    }
+    reply, _ = await svc.sandboxes.agent_call(who, name, call, timeout=timeout)
+    return {k: reply.get(k) for k in ExecuteOut.model_fields if k in reply}
+
+
+@router.post("/sandboxes/execute", response_model=ExecuteOut, responses=ERRORS)
+async def execute_by_query(
+    body: Execute, who: Tenant, svc: Svc, sandbox: Annotated[str, Query(min_length=1)]
+) -> dict[str, Any]:
+    return await _execute(sandbox, body, who, svc)
+
+
+@router.post("/sandboxes/{name}/execute", response_model=ExecuteOut, responses=ERRORS)
+async def execute(name: str, body: Execute, who: Tenant, svc: Svc) -> dict[str, Any]:
+    return await _execute(name, body, who, svc)

@@ -1,0 +1,134 @@
+"""Wire models of the native REST API. Unknown fields and wrong types are refused."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+RESERVED_METADATA = ("idem", "idem_owner")
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Resources(_In):
+    memory_mb: int = Field(default=512, ge=16, le=65536)
+    cpus: float = Field(default=1.0, gt=0, le=64)
+    pids: int = Field(default=256, ge=8, le=100_000)
+
+
+def _check_str_map(value: dict[str, str], what: str, max_items: int = 64) -> dict[str, str]:
+    if len(value) > max_items:
+        raise ValueError(f"{what} takes at most {max_items} entries")
+    for key, item in value.items():
+        if not key or len(key) > 256 or len(item) > 8192 or "\x00" in key + item:
+            raise ValueError(f"{what} keys must be 1-256 characters, values at most 8192, no NUL")
+    return value
+
+
+class CreateSandbox(_In):
+    template: str = Field(default="default", min_length=1, max_length=128)
+    timeout: float | None = Field(default=None, gt=0, description="seconds until it is reaped")
+    metadata: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)
+    network: bool = False
+    resources: Resources = Field(default_factory=Resources)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in RESERVED_METADATA:
+            if key in value:
+                raise ValueError(f"metadata key {key!r} is reserved (set from Idempotency-Key)")
+        return _check_str_map(value, "metadata")
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if "=" in key:
+                raise ValueError("env names must not contain '='")
+        return _check_str_map(value, "env", max_items=256)
+
+
+class SandboxOut(BaseModel):
+    name: str
+    state: str
+    template: str
+    metadata: dict[str, str]
+    worker: str | None
+    network: bool
+    resources: dict[str, Any]
+    timeout: float
+    created_at: datetime
+    started_at: datetime | None
+    expires_at: datetime | None
+    error: str | None = None
+
+
+class SandboxList(BaseModel):
+    sandboxes: list[SandboxOut]
+    next_cursor: str | None
+
+
+class ExtendTimeout(_In):
+    timeout: float = Field(gt=0, description="seconds from now until it is reaped")
+
+
+class Execute(_In):
+    language: Literal["bash", "sh", "python"] = "bash"
+    code: str = Field(min_length=1)
+    timeout: float | None = Field(default=None, gt=0)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str = Field(default="/workspace", min_length=1, max_length=4096)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        return _check_str_map(value, "env", max_items=256)
+
+
+class ExecuteOut(BaseModel):
+    stdout: str
+    stderr: str
+    exit_code: int
+    duration_ms: float
+    timed_out: bool = False
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+
+
+class FileEntry(BaseModel):
+    name: str
+    path: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: str
+    mtime: datetime
+
+
+class FileList(BaseModel):
+    entries: list[FileEntry]
+
+
+class MakeDir(_In):
+    path: str = Field(min_length=1, max_length=4096)
+    parents: bool = True
+
+
+class Move(_In):
+    source: str = Field(min_length=1, max_length=4096)
+    destination: str = Field(min_length=1, max_length=4096)
+    overwrite: bool = False
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorOut(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,194 @@
+"""The `sandgate` command. Every flag also reads SANDGATE_<FLAG> from the environment."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sandgate.cli import logs
+
+app = typer.Typer(
+    help="sandgate: a control plane for code-execution sandboxes.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+keys_app = typer.Typer(help="Create API keys and worker tokens.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+
+DbOpt = Annotated[str, typer.Option("--db", envvar="SANDGATE_DB", help="sqlite:///path or postgresql://...")]
+LogOpt = Annotated[str, typer.Option("--log-level", envvar="SANDGATE_LOG_LEVEL")]
+
+
+def _runner() -> asyncio.Runner:
+    import uvloop
+
+    return asyncio.Runner(loop_factory=uvloop.new_event_loop)
+
+
+async def _prepare_db(db: str) -> None:
+    """SQLite belongs to one instance, which migrates it; PostgreSQL must be migrated first."""
+    from sandgate.store import migrate
+
+    if migrate.async_url(db).drivername.startswith("sqlite"):
+        await migrate.upgrade(db)
+        return
+    current, head = await migrate.check_current(db)
+    if current != head:
+        raise typer.BadParameter(
+            f"database schema is at {current or 'nothing'}, this sandgate needs {head}: "
+            f"run `sandgate migrate --db {db}` first",
+            param_hint="--db",
+        )
+
+
+@app.command()
+def migrate(db: DbOpt, log_level: LogOpt = "INFO") -> None:
+    """Apply the schema migrations (they only add) to a database."""
+    from sandgate.store import migrate as m
+
+    logs.setup(log_level)
+    asyncio.run(m.upgrade(db))
+    typer.echo(f"database at schema {m.head_revision()}")
+
+
+@keys_app.command("create")
+def keys_create(
+    db: DbOpt,
+    tenant: Annotated[str | None, typer.Option(envvar="SANDGATE_TENANT", help="tenant name")] = None,
+    worker: Annotated[bool, typer.Option("--worker", envvar="SANDGATE_WORKER", help="a worker token")] = False,
+    log_level: LogOpt = "WARNING",
+) -> None:
+    """Print a new tenant API key (--tenant NAME) or worker token (--worker)."""
+    logs.setup(log_level)
+    if (tenant is None) == (not worker):
+        raise typer.BadParameter("give exactly one of --tenant NAME or --worker")
+    key = asyncio.run(_create_key(db, tenant))
+    typer.echo(key)
+
+
+async def _create_key(db: str, tenant: str | None) -> str:
+    from datetime import UTC, datetime
+
+    from sandgate.core.credentials import key_hash, new_key
+    from sandgate.store.base import ApiKey
+    from sandgate.store.sql import open_store
+
+    await _prepare_db(db)
+    store = await open_store(db)
+    try:
+        if tenant is not None:
+            record = await store.ensure_tenant(tenant)
+            key = new_key("tenant")
+            await store.add_api_key(
+                ApiKey(key_hash(key), "tenant", record.id, datetime.now(UTC), label=tenant)
+            )
+        else:
+            key = new_key("worker")
+            await store.add_api_key(ApiKey(key_hash(key), "worker", None, datetime.now(UTC)))
+        return key
+    finally:
+        await store.aclose()
+
+
+def _read_secret(secret_file: Path | None) -> str:
+    if secret_file is None:
+        return secrets.token_urlsafe(32)
+    return secret_file.read_text().strip()
+
+
+@app.command()
+def server(
+    db: DbOpt,
+    port: Annotated[int, typer.Option(envvar="SANDGATE_PORT")] = 8080,
+    host: Annotated[str, typer.Option(envvar="SANDGATE_HOST")] = "127.0.0.1",
+    node_url: Annotated[str | None, typer.Option(envvar="SANDGATE_NODE_URL", help="URL peers reach this instance at")] = None,
+    secret_file: Annotated[Path | None, typer.Option(envvar="SANDGATE_SECRET_FILE", help="shared secret of all instances")] = None,
+    log_level: LogOpt = "INFO",
+) -> None:
+    """Run one API instance."""
+    from sandgate.cli.serve import make_server
+    from sandgate.config import ServerSettings
+
+    logs.setup(log_level)
+    with _runner() as runner:
+        runner.run(_prepare_db(db))
+    settings = ServerSettings(
+        db_url=db, host=host, port=port, node_url=node_url, secret=_read_secret(secret_file)
+    )
+    make_server(settings, own_signals=True).run()
+
+
+@app.command()
+def worker(
+    server: Annotated[str, typer.Option(envvar="SANDGATE_SERVER", help="control plane URL")],
+    token: Annotated[str, typer.Option(envvar="SANDGATE_TOKEN", help="worker token")],
+    name: Annotated[str, typer.Option(envvar="SANDGATE_NAME")] = socket.gethostname(),
+    capacity: Annotated[int, typer.Option(envvar="SANDGATE_CAPACITY", min=1)] = 16,
+    runtime: Annotated[str, typer.Option(envvar="SANDGATE_RUNTIME", help="bwrap or process")] = "bwrap",
+    state_dir: Annotated[Path, typer.Option(envvar="SANDGATE_STATE_DIR")] = Path("/var/lib/sandgate"),
+    allow_network: Annotated[bool, typer.Option("--allow-network", envvar="SANDGATE_ALLOW_NETWORK", help="let network=true sandboxes use the HOST network namespace")] = False,
+    log_level: LogOpt = "INFO",
+) -> None:
+    """Run a worker: dial the control plane and host sandboxes."""
+    from sandgate.config import WorkerSettings
+    from sandgate.worker.main import run_worker
+
+    logs.setup(log_level)
+    if runtime not in ("bwrap", "process"):
+        raise typer.BadParameter("use bwrap or process", param_hint="--runtime")
+    settings = WorkerSettings(
+        server_url=server,
+        token=token,
+        name=name,
+        capacity=capacity,
+        runtime=runtime,
+        state_dir=state_dir,
+        allow_network=allow_network,
+    )
+    with _runner() as runner:
+        runner.run(run_worker(settings))
+
+
+@app.command()
+def up(
+    port: Annotated[int, typer.Option(envvar="SANDGATE_PORT")] = 8080,
+    host: Annotated[str, typer.Option(envvar="SANDGATE_HOST")] = "127.0.0.1",
+    data_dir: Annotated[Path, typer.Option(envvar="SANDGATE_DATA_DIR")] = Path(".sandgate"),
+    runtime: Annotated[str, typer.Option(envvar="SANDGATE_RUNTIME", help="bwrap or process")] = "bwrap",
+    capacity: Annotated[int, typer.Option(envvar="SANDGATE_CAPACITY", min=1)] = 16,
+    state_dir: Annotated[Path, typer.Option(envvar="SANDGATE_STATE_DIR")] = Path("/var/lib/sandgate"),
+    log_level: LogOpt = "INFO",
+) -> None:
+    """All in one: an API instance on SQLite in the data dir plus one local worker."""
+    from sandgate.cli.up import run_up
+
+    logs.setup(log_level)
+    code = run_up(
+        port=port, host=host, data_dir=data_dir, runtime=runtime, capacity=capacity,
+        state_dir=state_dir,
+    )
+    raise typer.Exit(code)
+
+
+@app.command("state-table")
+def state_table() -> None:
+    """Print the table of every piece of in-process state (Markdown)."""
+    from sandgate.local_state import state_table_markdown
+
+    sys.stdout.write(state_table_markdown())
+
+
+def main() -> None:
+    os.umask(0o022)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    app()

@@ -1,0 +1,47 @@
+"""Settings, loaded once by the CLI and passed down; tests construct them directly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ServerSettings(_Frozen):
+    db_url: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    node_url: str | None = None  # reachable by peers; what this instance writes in tunnel_owners
+    secret: str = ""  # shared by every instance (tokens, internal signatures)
+    # sandboxes
+    default_timeout: float = 300.0  # seconds of life when a create names none
+    max_timeout: float = 24 * 3600.0
+    start_timeout: float = 30.0  # provision must answer within this
+    reaper_interval: float = 1.0
+    # execute
+    default_exec_timeout: float = 30.0
+    max_exec_timeout: float = 3600.0
+    # bodies
+    max_json_bytes: int = 2 << 20  # JSON request bodies (code included)
+    max_upload_bytes: int = 10 << 30  # one file upload
+    file_chunk_bytes: int = 1 << 20  # one tunnel frame of file data
+    # auth cache: a revoked key stops working on every instance within this
+    auth_cache_ttl: float = 5.0
+    heartbeat_timeout: float = 30.0  # a tunnel silent this long is dropped
+
+
+class WorkerSettings(_Frozen):
+    server_url: str  # http(s)://host:port of any instance; the tunnel is <url>/tunnel
+    token: str
+    name: str
+    capacity: int = Field(default=16, ge=1)
+    runtime: str = "bwrap"  # "bwrap" | "process"
+    state_dir: Path = Path("/var/lib/sandgate")
+    allow_network: bool = False  # gives network=true sandboxes the HOST network namespace
+    heartbeat_interval: float = 10.0
+    reconnect_min: float = 0.2
+    reconnect_max: float = 5.0

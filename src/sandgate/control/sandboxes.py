@@ -1,0 +1,348 @@
+"""Sandbox use cases: create (idempotent), read, list, extend, delete, and calls into one.
+
+Create follows the design's two steps: *accept* (sandbox row, job row with the exact
+provision payload and the idempotency record, in one transaction), then *deliver* (the
+payload goes down the worker's tunnel; the job completes and the sandbox runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from sandgate.agent.frames import Header
+from sandgate.config import ServerSettings
+from sandgate.control.workers import WorkerRegistry, utcnow
+from sandgate.core import idempotency
+from sandgate.core.names import new_sandbox_name
+from sandgate.errors import (
+    ConflictError,
+    IdempotencyConflictError,
+    IdempotencyMismatchError,
+    InvalidRequestError,
+    NotFoundError,
+    SandgateError,
+    UnavailableError,
+    WorkerError,
+)
+from sandgate.local_state import ServerLocalState
+from sandgate.store.base import (
+    IdempotencyRecord,
+    Job,
+    JobId,
+    Sandbox,
+    SandboxFilter,
+    SandboxName,
+    Store,
+    TenantId,
+    WorkerName,
+)
+
+log = logging.getLogger(__name__)
+
+REPLAY_WAIT = 60.0  # how long a cross-instance replay waits for the first create to finish
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    template: str
+    timeout: float
+    metadata: dict[str, str]
+    env: dict[str, str]
+    network: bool
+    resources: dict[str, Any]
+    body: dict[str, Any]  # the request as the client sent it (after defaults): fingerprinted
+
+
+@dataclass(frozen=True)
+class CreateResult:
+    sandbox: Sandbox
+    replayed: bool
+
+
+class SandboxService:
+    def __init__(
+        self,
+        store: Store,
+        state: ServerLocalState,
+        workers: WorkerRegistry,
+        settings: ServerSettings,
+    ) -> None:
+        self.store = store
+        self.state = state
+        self.workers = workers
+        self.settings = settings
+
+    # -- create ----------------------------------------------------------------------------
+    async def create(
+        self, tenant: TenantId, request: CreateRequest, idempotency_key: str | None
+    ) -> CreateResult:
+        if idempotency_key is None:
+            return CreateResult(await self._create(tenant, request, None), replayed=False)
+        problem = idempotency.validate_key(idempotency_key)
+        if problem is not None:
+            raise InvalidRequestError(problem, code="invalid_idempotency_key")
+        digest = idempotency.digest(tenant, idempotency_key)
+        fingerprint = idempotency.fingerprint(request.body)
+        slot = (tenant, digest)
+        while (first := self.state.inflight_creates.get(slot)) is not None:
+            try:
+                sandbox = await asyncio.shield(first)
+            except SandgateError:
+                continue  # the first attempt failed; this retry makes its own
+            return await self._replay(tenant, digest, fingerprint, sandbox)
+        # no await between the check above and this registration: one owner per slot
+        future: asyncio.Future[Sandbox] = asyncio.get_running_loop().create_future()
+        self.state.inflight_creates[slot] = future
+        try:
+            result = await self._create_once(tenant, request, digest, fingerprint)
+        except BaseException as exc:
+            failure = exc if isinstance(exc, SandgateError) else UnavailableError("create interrupted")
+            future.set_exception(failure)
+            future.exception()  # waiters read it; do not warn when there are none
+            raise
+        finally:
+            self.state.inflight_creates.pop(slot, None)
+        future.set_result(result.sandbox)
+        return result
+
+    async def _create_once(
+        self, tenant: TenantId, request: CreateRequest, digest: str, fingerprint: str
+    ) -> CreateResult:
+        existing = await self._lookup(tenant, digest)
+        if existing is not None:
+            return await self._replay_record(existing, fingerprint)
+        claim = IdemClaim(digest=digest, fingerprint=fingerprint)
+        try:
+            return CreateResult(await self._create(tenant, request, claim), replayed=False)
+        except _LostRace as race:  # another instance inserted the same key first
+            return await self._replay_record(race.record, fingerprint)
+
+    async def _lookup(self, tenant: TenantId, digest: str) -> IdempotencyRecord | None:
+        """A failed lookup counts as not found: the unique index is the final word."""
+        try:
+            record = await self.store.find_idempotency(tenant, digest)
+        except Exception:
+            log.warning("idempotency.lookup_failed", exc_info=True)
+            return None
+        # never trust a filter we did not apply ourselves
+        if record is None or record.tenant_id != tenant or record.digest != digest:
+            return None
+        return record
+
+    async def _replay(
+        self, tenant: TenantId, digest: str, fingerprint: str, sandbox: Sandbox
+    ) -> CreateResult:
+        record = await self._lookup(tenant, digest)
+        if record is not None and record.fingerprint != fingerprint:
+            raise _mismatch()
+        if sandbox.tenant_id != tenant:  # cannot happen: the slot includes the tenant
+            raise NotFoundError("no such sandbox")
+        return CreateResult(sandbox, replayed=True)
+
+    async def _replay_record(self, record: IdempotencyRecord, fingerprint: str) -> CreateResult:
+        if record.fingerprint != fingerprint:
+            raise _mismatch()
+        deadline = asyncio.get_running_loop().time() + REPLAY_WAIT
+        while True:
+            sandbox = await self.store.get_sandbox(record.sandbox_name)
+            if sandbox is None or sandbox.tenant_id != record.tenant_id:
+                raise NotFoundError("the sandbox created under this Idempotency-Key is gone")
+            if sandbox.metadata.get("idem_owner") != record.tenant_id:
+                raise NotFoundError("the sandbox created under this Idempotency-Key is gone")
+            if sandbox.state != "pending" or asyncio.get_running_loop().time() > deadline:
+                return CreateResult(sandbox, replayed=True)
+            await asyncio.sleep(0.05)  # the first create is still in flight on another instance
+
+    async def _create(
+        self, tenant: TenantId, request: CreateRequest, claim: IdemClaim | None
+    ) -> Sandbox:
+        session = await self.workers.pick(network=request.network)
+        now = utcnow()
+        name = SandboxName(new_sandbox_name())
+        metadata = dict(request.metadata)
+        if claim is not None:
+            metadata["idem"] = idempotency.short_digest(claim.digest)
+            metadata["idem_owner"] = tenant
+        sandbox = Sandbox(
+            name=name,
+            tenant_id=tenant,
+            state="pending",
+            template=request.template,
+            timeout=request.timeout,
+            metadata=metadata,
+            env=request.env,
+            network=request.network,
+            resources=request.resources,
+            created_at=now,
+            updated_at=now,
+            worker=WorkerName(session.worker),
+        )
+        payload = {
+            "name": name,
+            "spec": {"env": request.env, "network": request.network, **request.resources},
+        }
+        job = Job(
+            id=JobId(uuid.uuid4().hex),
+            kind="create",
+            sandbox_name=name,
+            state="pending",
+            request=payload,
+            attempt=0,
+            created_at=now,
+            updated_at=now,
+        )
+        record = None
+        if claim is not None:
+            record = IdempotencyRecord(
+                tenant_id=tenant,
+                digest=claim.digest,
+                fingerprint=claim.fingerprint,
+                sandbox_name=name,
+                created_at=now,
+            )
+        try:
+            await self.store.insert_sandbox(sandbox, job, record)
+        except IdempotencyConflictError:
+            assert claim is not None
+            winner = await self.store.find_idempotency(tenant, claim.digest)
+            if winner is None:
+                raise UnavailableError("create raced and lost its record; retry") from None
+            raise _LostRace(winner) from None
+        log.info("sandbox.accepted", extra={"sandbox": name, "worker": session.worker})
+        return await self._deliver(sandbox, job)
+
+    async def _deliver(self, sandbox: Sandbox, job: Job) -> Sandbox:
+        session = self.workers.session_for(sandbox.worker)
+        try:
+            await session.channel.call(
+                "provision", wait=self.settings.start_timeout, **job.request
+            )
+        except SandgateError as exc:
+            now = utcnow()
+            await self.store.finish_job(job.id, "failed", error=exc.message, now=now)
+            await self.store.set_sandbox_state(
+                sandbox.name, "error", from_states=("pending",), error=exc.message, now=now
+            )
+            log.warning("sandbox.start_failed", extra={"sandbox": sandbox.name, "error": exc.message})
+            if isinstance(exc, InvalidRequestError):
+                raise
+            raise WorkerError(f"sandbox {sandbox.name} failed to start: {exc.message}") from exc
+        now = utcnow()
+        expires_at = now + timedelta(seconds=sandbox.timeout)
+        await self.store.finish_job(job.id, "completed", now=now)
+        if not await self.store.mark_running(sandbox.name, WorkerName(session.worker), now, expires_at):
+            # deleted while it started: do not resurrect it, take it down again
+            await self._destroy_on_worker(sandbox)
+            raise ConflictError(f"sandbox {sandbox.name} was deleted while it started")
+        log.info("sandbox.running", extra={"sandbox": sandbox.name})
+        return replace(sandbox, state="running", started_at=now, expires_at=expires_at, updated_at=now)
+
+    # -- read --------------------------------------------------------------------------------
+    async def get(self, tenant: TenantId, name: str) -> Sandbox:
+        sandbox = await self.store.get_tenant_sandbox(tenant, SandboxName(name))
+        if sandbox is None or sandbox.state == "deleted":
+            raise NotFoundError(f"sandbox {name} not found")
+        return sandbox
+
+    async def list(self, tenant: TenantId, where: SandboxFilter) -> list[Sandbox]:
+        return await self.store.list_sandboxes(tenant, where)
+
+    async def running(self, tenant: TenantId, name: str) -> Sandbox:
+        sandbox = await self.get(tenant, name)
+        if sandbox.state != "running":
+            raise ConflictError(f"sandbox {name} is {sandbox.state}, not running", code="not_running")
+        return sandbox
+
+    # -- change ------------------------------------------------------------------------------
+    async def extend(self, tenant: TenantId, name: str, timeout: float) -> Sandbox:
+        sandbox = await self.running(tenant, name)
+        now = utcnow()
+        expires_at = now + timedelta(seconds=timeout)
+        if not await self.store.set_expiry(sandbox.name, expires_at, now):
+            raise ConflictError(f"sandbox {name} is no longer running", code="not_running")
+        return replace(sandbox, expires_at=expires_at, updated_at=now)
+
+    async def delete(self, tenant: TenantId, name: str) -> None:
+        sandbox = await self.get(tenant, name)
+        await self.stop(sandbox, "deleted", reason=None)
+
+    async def stop(self, sandbox: Sandbox, state: str, *, reason: str | None) -> bool:
+        """Mark the sandbox gone first (no resurrection), cancel its jobs, then destroy it."""
+        now = utcnow()
+        moved = await self.store.set_sandbox_state(
+            sandbox.name,
+            state,  # type: ignore[arg-type]
+            from_states=("pending", "running", "stopped", "error"),
+            error=reason,
+            now=now,
+        )
+        await self.store.fail_sandbox_jobs(sandbox.name, f"sandbox {state}", now)
+        await self._destroy_on_worker(sandbox)
+        return moved
+
+    async def _destroy_on_worker(self, sandbox: Sandbox) -> None:
+        session = self.state.tunnels.get(sandbox.worker or "")
+        if session is None:
+            return  # the worker removes it when it reconnects (it is unknown by then)
+        try:
+            await session.channel.call("destroy", wait=30.0, name=sandbox.name)
+        except SandgateError as exc:
+            log.warning("sandbox.destroy_failed", extra={"sandbox": sandbox.name, "error": exc.message})
+
+    async def expire_due(self, limit: int = 100) -> int:
+        due = await self.store.list_expired(utcnow(), limit)
+        for sandbox in due:
+            await self.stop(sandbox, "stopped", reason="timeout reached")
+            log.info("sandbox.expired", extra={"sandbox": sandbox.name})
+        return len(due)
+
+    # -- calls into a running sandbox ---------------------------------------------------------
+    async def agent_call(
+        self,
+        tenant: TenantId,
+        name: str,
+        call: dict[str, Any],
+        payload: bytes = b"",
+        *,
+        timeout: float = 60.0,
+    ) -> tuple[Header, bytes]:
+        sandbox = await self.running(tenant, name)
+        session = self.workers.session_for(sandbox.worker)
+        try:
+            return await session.channel.call(
+                "agent", payload, wait=timeout + 5.0, sandbox=sandbox.name, call=call, timeout_s=timeout
+            )
+        except NotFoundError as exc:
+            if exc.message.startswith("sandbox ") and "not running on this worker" in exc.message:
+                raise ConflictError(f"sandbox {name} is not running", code="not_running") from None
+            raise
+
+
+@dataclass(frozen=True)
+class IdemClaim:
+    digest: str
+    fingerprint: str
+
+
+class _LostRace(Exception):
+    def __init__(self, record: IdempotencyRecord) -> None:
+        super().__init__("another create holds this idempotency key")
+        self.record = record
+
+
+def _mismatch() -> IdempotencyMismatchError:
+    return IdempotencyMismatchError(
+        "this Idempotency-Key was used with a different request body; "
+        "use a new key for a different request"
+    )
+
+
+def expires_in(sandbox: Sandbox, now: datetime) -> float | None:
+    if sandbox.expires_at is None:
+        return None
+    return max(0.0, (sandbox.expires_at - now).total_seconds())

@@ -1,0 +1,133 @@
+"""Workers as the control plane sees them: attach, reconcile, route, detach."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+
+from sandgate.agent.frames import Header
+from sandgate.errors import NetworkUnavailableError, NoCapacityError, TunnelUnavailableError
+from sandgate.local_state import ServerLocalState
+from sandgate.store.base import SandboxName, Store, Worker, WorkerName
+from sandgate.tunnel.hub import TunnelSession
+
+log = logging.getLogger(__name__)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class WorkerRegistry:
+    def __init__(self, store: Store, state: ServerLocalState, *, node_url: str) -> None:
+        self.store = store
+        self.state = state
+        self.node_url = node_url
+
+    # -- TunnelEvents ---------------------------------------------------------------------
+    async def attached(self, session: TunnelSession, hello: Header) -> Header:
+        """Record the worker and reconcile what it runs with what the store expects."""
+        now = utcnow()
+        old = self.state.tunnels.get(session.worker)
+        self.state.tunnels[session.worker] = session
+        if old is not None:
+            old.channel.close(TunnelUnavailableError("replaced by a newer tunnel"))
+        worker = WorkerName(session.worker)
+        await self.store.upsert_worker(
+            Worker(
+                name=worker,
+                capacity=session.capacity,
+                features=session.features,
+                connected=True,
+                last_seen_at=now,
+                node_url=self.node_url,
+            )
+        )
+        await self.store.claim_tunnel(session.worker, self.node_url, now)
+        reported = {str(n) for n in hello.get("sandboxes") or []}
+        expected = await self.store.list_worker_sandboxes(worker, ("running",))
+        for sandbox in expected:
+            if sandbox.name not in reported:
+                await self.store.set_sandbox_state(
+                    sandbox.name,
+                    "error",
+                    from_states=("running",),
+                    error="the worker restarted and no longer runs this sandbox",
+                    now=now,
+                )
+                log.warning("sandbox.lost", extra={"sandbox": sandbox.name, "worker": worker})
+        remove = []
+        for name in sorted(reported):
+            record = await self.store.get_sandbox(SandboxName(name))
+            live_here = record is not None and record.state in ("running", "pending")
+            if not live_here or (record is not None and record.worker != worker):
+                remove.append(name)
+        log.info(
+            "tunnel.attached",
+            extra={"worker": worker, "sandboxes": len(reported), "remove": len(remove)},
+        )
+        return {"remove": remove}
+
+    async def event(self, session: TunnelSession, header: Header) -> None:
+        kind = header.get("event")
+        now = utcnow()
+        if kind == "heartbeat":
+            await self.store.claim_tunnel(session.worker, self.node_url, now)
+            await self.store.set_worker_connected(WorkerName(session.worker), True, now)
+        elif kind == "sandbox_exited":
+            name = SandboxName(str(header.get("name", "")))
+            record = await self.store.get_sandbox(name)
+            if record is not None and record.worker == session.worker:
+                await self.store.set_sandbox_state(
+                    name,
+                    "error",
+                    from_states=("running",),
+                    error=str(header.get("reason") or "the sandbox exited"),
+                    now=now,
+                )
+                log.warning("sandbox.exited", extra={"sandbox": name})
+
+    async def detached(self, session: TunnelSession) -> None:
+        if self.state.tunnels.get(session.worker) is not session:
+            return  # a newer tunnel of the same worker took over
+        del self.state.tunnels[session.worker]
+        try:
+            await self.store.set_worker_connected(WorkerName(session.worker), False, utcnow())
+            await self.store.release_tunnel(session.worker, self.node_url)
+        except Exception:
+            log.exception("tunnel.detach_not_recorded", extra={"worker": session.worker})
+        log.warning("tunnel.detached", extra={"worker": session.worker})
+
+    # -- routing -----------------------------------------------------------------------------
+    def session_for(self, worker: str | None) -> TunnelSession:
+        session = self.state.tunnels.get(worker or "")
+        if session is None or session.channel.closed:
+            raise TunnelUnavailableError("sandbox tunnel not available", retry_after=2.0)
+        return session
+
+    async def pick(self, *, network: bool = False) -> TunnelSession:
+        """The connected worker with the most free capacity (offering network if asked)."""
+        best: tuple[int, TunnelSession] | None = None
+        offered = False
+        for session in list(self.state.tunnels.values()):
+            if session.channel.closed:
+                continue
+            if network and session.features.get("network") not in ("host-optional", "host"):
+                continue
+            offered = True
+            free = session.capacity - await self.store.count_live_sandboxes(
+                WorkerName(session.worker)
+            )
+            if free > 0 and (best is None or free > best[0]):
+                best = (free, session)
+        if best is None:
+            if network and not offered:
+                raise NetworkUnavailableError(
+                    "no connected worker offers network access; start a worker with "
+                    "--allow-network (it gives sandboxes the host network) or create with "
+                    '"network": false'
+                )
+            if not self.state.tunnels:
+                raise NoCapacityError("no worker is connected", retry_after=5.0)
+            raise NoCapacityError("every connected worker is at capacity", retry_after=5.0)
+        return best[1]

@@ -1,0 +1,23 @@
+"""API keys and worker tokens: generation and hashing. Pure functions, no I/O.
+
+A key is a type prefix plus 32 random bytes (url-safe base64). Only its sha256 is stored;
+a 256-bit random secret needs no slow KDF.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from typing import Literal
+
+TENANT_PREFIX = "sg_"
+WORKER_PREFIX = "sgw_"
+
+
+def new_key(kind: Literal["tenant", "worker"]) -> str:
+    prefix = TENANT_PREFIX if kind == "tenant" else WORKER_PREFIX
+    return prefix + secrets.token_urlsafe(32)
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()

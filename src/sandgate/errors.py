@@ -1,0 +1,95 @@
+"""Domain errors. Only `api/errors.py` maps them to HTTP statuses.
+
+SandgateError                      code, message (both shown to the user)
+├── InvalidRequestError            the request cannot be served as written (400/422)
+│   ├── IdempotencyMismatchError   same Idempotency-Key, different body (422)
+│   ├── PathOutsideSandboxError    a file path leaves the sandbox (403)
+│   └── NetworkUnavailableError    network asked for, worker cannot give it safely (422)
+├── AuthError                      missing or unknown credentials (401)
+├── NotFoundError                  no such sandbox/file for this tenant (404)
+├── ConflictError                  the target exists or is in the wrong state (409)
+├── PayloadTooLargeError           body over the documented cap (413)
+├── UnavailableError               try again later; carries retry_after (503)
+│   ├── NoCapacityError            no connected worker has room
+│   └── TunnelUnavailableError     the sandbox's worker is not connected
+├── SandboxTimeoutError            the worker did not answer in time (504)
+├── WorkerError                    the worker or agent failed the operation (502)
+└── StoreError                     the store failed
+    └── IdempotencyConflictError   (tenant, digest) already recorded; carries nothing else
+"""
+
+from __future__ import annotations
+
+
+class SandgateError(Exception):
+    code = "internal"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequestError(SandgateError):
+    code = "invalid_request"
+
+
+class IdempotencyMismatchError(InvalidRequestError):
+    code = "idempotency_key_reused"
+
+
+class PathOutsideSandboxError(InvalidRequestError):
+    code = "path_outside_sandbox"
+
+
+class NetworkUnavailableError(InvalidRequestError):
+    code = "network_unavailable"
+
+
+class AuthError(SandgateError):
+    code = "unauthorized"
+
+
+class NotFoundError(SandgateError):
+    code = "not_found"
+
+
+class ConflictError(SandgateError):
+    code = "conflict"
+
+
+class PayloadTooLargeError(SandgateError):
+    code = "payload_too_large"
+
+
+class UnavailableError(SandgateError):
+    code = "unavailable"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+
+class NoCapacityError(UnavailableError):
+    code = "no_capacity"
+
+
+class TunnelUnavailableError(UnavailableError):
+    code = "tunnel_unavailable"
+
+
+class SandboxTimeoutError(SandgateError):
+    code = "timeout"
+
+
+class WorkerError(SandgateError):
+    code = "worker_error"
+
+
+class StoreError(SandgateError):
+    code = "store_error"
+
+
+class IdempotencyConflictError(StoreError):
+    code = "idempotency_conflict"

@@ -1,0 +1,160 @@
+"""The store interface: every durable fact sandgate keeps goes through this Protocol.
+
+Implementations: `sql.SqlStore` on SQLite (one instance) and PostgreSQL (any number).
+Times are aware UTC datetimes. Methods raise `sandgate.errors.StoreError` subclasses only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal, NewType, Protocol
+
+TenantId = NewType("TenantId", str)
+SandboxName = NewType("SandboxName", str)
+WorkerName = NewType("WorkerName", str)
+JobId = NewType("JobId", str)
+
+KeyKind = Literal["tenant", "worker"]
+SandboxState = Literal["pending", "running", "stopped", "error", "deleted"]
+JobState = Literal["pending", "completed", "failed"]
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: TenantId
+    name: str
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key_hash: str  # sha256 hex of the secret key; the key itself is never stored
+    kind: KeyKind
+    tenant_id: TenantId | None  # None for worker tokens
+    created_at: datetime
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    name: SandboxName
+    tenant_id: TenantId
+    state: SandboxState
+    template: str
+    timeout: float  # seconds of life from running
+    metadata: dict[str, str]
+    env: dict[str, str]
+    network: bool
+    resources: dict[str, Any]  # {"memory_mb": int, "cpus": float, "pids": int}
+    created_at: datetime
+    updated_at: datetime
+    worker: WorkerName | None = None
+    started_at: datetime | None = None
+    expires_at: datetime | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    id: JobId
+    kind: Literal["create"]
+    sandbox_name: SandboxName
+    state: JobState
+    request: dict[str, Any]  # the exact payload pushed down the tunnel
+    attempt: int
+    created_at: datetime
+    updated_at: datetime
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class IdempotencyRecord:
+    tenant_id: TenantId
+    digest: str  # sha256 hex of (tenant scope, Idempotency-Key)
+    fingerprint: str  # sha256 hex of the canonical request body
+    sandbox_name: SandboxName
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Worker:
+    name: WorkerName
+    capacity: int
+    features: dict[str, Any]  # what the worker's runtime enforces, as it reported
+    connected: bool
+    last_seen_at: datetime
+    node_url: str | None = None
+
+
+@dataclass(frozen=True)
+class SandboxFilter:
+    states: tuple[SandboxState, ...] = ()  # empty: every state but "deleted"
+    metadata: dict[str, str] = field(default_factory=dict)  # all must match exactly
+    after: SandboxName | None = None  # cursor: names sorted ascending
+    limit: int = 100
+
+
+class Store(Protocol):
+    """All durable state. Every tenant-facing read takes the tenant and filters by it."""
+
+    async def aclose(self) -> None: ...
+
+    # tenants and keys
+    async def ensure_tenant(self, name: str) -> Tenant: ...
+    async def get_tenant(self, tenant_id: TenantId) -> Tenant | None: ...
+    async def add_api_key(self, key: ApiKey) -> None: ...
+    async def find_api_key(self, key_hash: str) -> ApiKey | None: ...
+
+    # create: one transaction writes the sandbox, its create job and the idempotency record.
+    # Raises IdempotencyConflictError if (tenant, digest) already exists (nothing is written).
+    async def insert_sandbox(
+        self, sandbox: Sandbox, job: Job, idempotency: IdempotencyRecord | None
+    ) -> None: ...
+    async def find_idempotency(self, tenant_id: TenantId, digest: str) -> IdempotencyRecord | None: ...
+
+    async def get_sandbox(self, name: SandboxName) -> Sandbox | None: ...
+    async def get_tenant_sandbox(self, tenant_id: TenantId, name: SandboxName) -> Sandbox | None: ...
+    async def list_sandboxes(self, tenant_id: TenantId, where: SandboxFilter) -> list[Sandbox]: ...
+    async def list_worker_sandboxes(
+        self, worker: WorkerName, states: tuple[SandboxState, ...]
+    ) -> list[Sandbox]: ...
+    async def count_live_sandboxes(self, worker: WorkerName) -> int: ...  # pending + running
+    async def list_expired(self, now: datetime, limit: int) -> list[Sandbox]: ...  # running
+
+    # State moves are conditional: each applies only when the current state is in `from_states`
+    # and returns whether it applied. That is what stops a late delivery from resurrecting a
+    # deleted sandbox.
+    async def mark_running(
+        self, name: SandboxName, worker: WorkerName, started_at: datetime, expires_at: datetime
+    ) -> bool: ...
+    async def set_sandbox_state(
+        self,
+        name: SandboxName,
+        state: SandboxState,
+        *,
+        from_states: tuple[SandboxState, ...],
+        error: str | None = None,
+        now: datetime,
+    ) -> bool: ...
+    async def set_expiry(self, name: SandboxName, expires_at: datetime, now: datetime) -> bool: ...
+    async def assign_worker(self, name: SandboxName, worker: WorkerName, now: datetime) -> None: ...
+
+    # jobs
+    async def get_job(self, job_id: JobId) -> Job | None: ...
+    async def finish_job(
+        self, job_id: JobId, state: JobState, *, error: str | None = None, now: datetime
+    ) -> bool: ...  # only from "pending"
+    async def fail_sandbox_jobs(self, name: SandboxName, error: str, now: datetime) -> int: ...
+
+    # workers
+    async def upsert_worker(self, worker: Worker) -> None: ...
+    async def set_worker_connected(
+        self, name: WorkerName, connected: bool, now: datetime
+    ) -> None: ...
+    async def list_workers(self) -> list[Worker]: ...
+
+    # tunnel ownership: which instance holds a worker's tunnel (trusted while fresh)
+    async def claim_tunnel(self, tunnel_key: str, node_url: str, now: datetime) -> None: ...
+    async def release_tunnel(self, tunnel_key: str, node_url: str) -> None: ...
+    async def tunnel_owner(self, tunnel_key: str) -> tuple[str, datetime] | None: ...

@@ -1,0 +1,184 @@
+"""The store's tables, as SQLAlchemy Core.
+
+This module is what the code reads and writes. The database itself is built by the
+Alembic migrations in `migrations/versions/` (explicit `op.create_table` calls, never
+`create_all`); `tests/unit/test_migrations_only_add.py` fails when the two drift apart.
+Changing a table here therefore always means adding a migration too, and migrations
+only add.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Column,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.types import TypeDecorator
+
+NAMING_CONVENTION: dict[str, str] = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """An aware datetime that always comes back as an aware UTC datetime.
+
+    PostgreSQL: `timestamp with time zone`. SQLite has no time zones: the value is
+    converted to UTC and stored without an offset (so stored strings sort and compare
+    in time order), and UTC is attached again on the way out. Naive datetimes are
+    refused: the store never guesses what zone a naive time meant.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if not isinstance(value, datetime):
+            raise TypeError(f"expected a datetime, got {type(value).__name__}")
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ValueError("naive datetime given to the store; use an aware UTC datetime")
+        value = value.astimezone(UTC)
+        if dialect.name == "sqlite":
+            return value.replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+tenants = Table(
+    "tenants",
+    metadata,
+    Column("id", Text, nullable=False),
+    Column("name", Text, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    PrimaryKeyConstraint("id", name="pk_tenants"),
+    UniqueConstraint("name", name="uq_tenants_name"),
+)
+
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("key_hash", Text, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("tenant_id", Text, nullable=True),
+    Column("label", Text, nullable=False, server_default=text("''")),
+    Column("created_at", UTCDateTime, nullable=False),
+    PrimaryKeyConstraint("key_hash", name="pk_api_keys"),
+    ForeignKeyConstraint(["tenant_id"], ["tenants.id"], name="fk_api_keys_tenant_id_tenants"),
+)
+
+sandboxes = Table(
+    "sandboxes",
+    metadata,
+    Column("name", Text, nullable=False),
+    Column("tenant_id", Text, nullable=False),
+    Column("state", Text, nullable=False),
+    Column("template", Text, nullable=False),
+    Column("timeout", Float, nullable=False),
+    Column("metadata", JSON, nullable=False),
+    Column("env", JSON, nullable=False),
+    Column("network", Boolean, nullable=False),
+    Column("resources", JSON, nullable=False),
+    Column("worker", Text, nullable=True),
+    Column("error", Text, nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+    Column("started_at", UTCDateTime, nullable=True),
+    Column("expires_at", UTCDateTime, nullable=True),
+    PrimaryKeyConstraint("name", name="pk_sandboxes"),
+    Index("ix_sandboxes_tenant_id_name", "tenant_id", "name"),
+    Index("ix_sandboxes_state_expires_at", "state", "expires_at"),
+    Index("ix_sandboxes_worker_state", "worker", "state"),
+)
+
+idempotency_keys = Table(
+    "idempotency_keys",
+    metadata,
+    Column("tenant_id", Text, nullable=False),
+    Column("digest", Text, nullable=False),
+    Column("fingerprint", Text, nullable=False),
+    Column("sandbox_name", Text, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    # The unique (tenant, digest) index is what makes create idempotency exact across
+    # instances: the primary key is that index.
+    PrimaryKeyConstraint("tenant_id", "digest", name="pk_idempotency_keys"),
+)
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("id", Text, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("sandbox_name", Text, nullable=False),
+    Column("state", Text, nullable=False),
+    Column("request", JSON, nullable=False),
+    Column("attempt", Integer, nullable=False, server_default=text("0")),
+    Column("claimed_by", Text, nullable=True),
+    Column("error", Text, nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+    PrimaryKeyConstraint("id", name="pk_jobs"),
+    Index("ix_jobs_state_updated_at", "state", "updated_at"),
+    Index("ix_jobs_sandbox_name", "sandbox_name"),
+)
+
+workers = Table(
+    "workers",
+    metadata,
+    Column("name", Text, nullable=False),
+    Column("capacity", Integer, nullable=False),
+    Column("features", JSON, nullable=False),
+    Column("connected", Boolean, nullable=False),
+    Column("node_url", Text, nullable=True),
+    Column("last_seen_at", UTCDateTime, nullable=False),
+    PrimaryKeyConstraint("name", name="pk_workers"),
+)
+
+tunnel_owners = Table(
+    "tunnel_owners",
+    metadata,
+    Column("tunnel_key", Text, nullable=False),
+    Column("node_url", Text, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+    PrimaryKeyConstraint("tunnel_key", name="pk_tunnel_owners"),
+)
+
+__all__ = [
+    "NAMING_CONVENTION",
+    "UTCDateTime",
+    "api_keys",
+    "idempotency_keys",
+    "jobs",
+    "metadata",
+    "sandboxes",
+    "tenants",
+    "tunnel_owners",
+    "workers",
+]

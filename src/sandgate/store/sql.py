@@ -1,0 +1,763 @@
+"""`SqlStore`: the Store Protocol on SQLAlchemy Core, for SQLite and PostgreSQL.
+
+One implementation for both backends; the differences are confined to `open_store`
+(driver, pool, SQLite pragmas) and the dialect-specific INSERT used for upserts.
+
+Rules this module keeps:
+- Every tenant-facing read filters by tenant in SQL and checks the rows again in
+  Python before returning them (never trust a filter you did not apply yourself).
+- State moves are single conditional UPDATEs (`... WHERE name = ? AND state IN (...)`)
+  and report whether exactly one row moved.
+- The create path writes the idempotency record, the sandbox and its job in one
+  transaction; the unique (tenant, digest) key decides races across instances.
+- Statements are module-level constructs with bound parameters, so SQLAlchemy's
+  compiled cache (and asyncpg's prepared statements) serve the hot paths.
+- Driver failures surface as `StoreError` (message safe to show; cause chained).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import sqlite3
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
+from datetime import UTC, datetime
+from typing import Any, Final, ParamSpec, TypeVar, cast
+
+import asyncpg
+from sqlalchemy import (
+    ColumnElement,
+    Row,
+    bindparam,
+    delete,
+    event,
+    exists,
+    func,
+    insert,
+    literal,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql as pg
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from sandgate.errors import IdempotencyConflictError, StoreError
+from sandgate.store.base import (
+    ApiKey,
+    IdempotencyRecord,
+    Job,
+    JobId,
+    JobState,
+    KeyKind,
+    Sandbox,
+    SandboxFilter,
+    SandboxName,
+    SandboxState,
+    Tenant,
+    TenantId,
+    Worker,
+    WorkerName,
+)
+from sandgate.store.migrate import async_url
+from sandgate.store.schema import (
+    api_keys,
+    idempotency_keys,
+    jobs,
+    sandboxes,
+    tenants,
+    tunnel_owners,
+    workers,
+)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_DRIVER_ERRORS: Final = (
+    SQLAlchemyError,
+    OSError,  # includes ConnectionError; asyncpg raises these raw while connecting
+    TimeoutError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    sqlite3.Error,
+)
+
+_LIVE_STATES: Final[tuple[SandboxState, ...]] = ("pending", "running")
+
+# Metadata keys that are safe inside an SQLite JSON path label `$."..."`. Any other key
+# (quotes, backslashes, empty, ...) is matched through json_each() instead, which takes
+# the key as a plain bound value.
+_SQLITE_PATH_SAFE_KEY = re.compile(r"[A-Za-z0-9_\-.:/@ ]+")
+
+
+def _store_op(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """Turn driver failures into StoreError; StoreError subclasses pass through."""
+    op = fn.__name__
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await fn(*args, **kwargs)
+        except StoreError:
+            raise
+        except _DRIVER_ERRORS as exc:
+            raise StoreError(f"the store failed ({op})") from exc
+
+    return wrapper
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+# --------------------------------------------------------------------------- statements
+# Bound-parameter names in WHERE clauses carry a b_ prefix: SQLAlchemy reserves the bare
+# column names for the SET/VALUES clause of the same statement.
+
+_SELECT_TENANT = select(tenants).where(tenants.c.id == bindparam("b_id"))
+_SELECT_TENANT_BY_NAME = select(tenants).where(tenants.c.name == bindparam("b_name"))
+_INSERT_API_KEY = insert(api_keys)
+_SELECT_API_KEY = select(api_keys).where(api_keys.c.key_hash == bindparam("b_key_hash"))
+
+_INSERT_SANDBOX = insert(sandboxes)
+_INSERT_JOB = insert(jobs)
+_SELECT_IDEMPOTENCY = select(idempotency_keys).where(
+    idempotency_keys.c.tenant_id == bindparam("b_tenant_id"),
+    idempotency_keys.c.digest == bindparam("b_digest"),
+)
+_SELECT_SANDBOX = select(sandboxes).where(sandboxes.c.name == bindparam("b_name"))
+_SELECT_TENANT_SANDBOX = select(sandboxes).where(
+    sandboxes.c.name == bindparam("b_name"),
+    sandboxes.c.tenant_id == bindparam("b_tenant_id"),
+)
+_SELECT_WORKER_SANDBOXES = (
+    select(sandboxes)
+    .where(
+        sandboxes.c.worker == bindparam("b_worker"),
+        sandboxes.c.state.in_(bindparam("b_states", expanding=True)),
+    )
+    .order_by(sandboxes.c.name)
+)
+_COUNT_WORKER_SANDBOXES = (
+    select(func.count())
+    .select_from(sandboxes)
+    .where(
+        sandboxes.c.worker == bindparam("b_worker"),
+        sandboxes.c.state.in_(bindparam("b_states", expanding=True)),
+    )
+)
+_SELECT_EXPIRED = (
+    select(sandboxes)
+    .where(
+        sandboxes.c.state == "running",
+        sandboxes.c.expires_at.is_not(None),
+        sandboxes.c.expires_at <= bindparam("b_now"),
+    )
+    .order_by(sandboxes.c.expires_at, sandboxes.c.name)
+    .limit(bindparam("b_limit"))
+)
+
+_MARK_RUNNING = (
+    update(sandboxes)
+    .where(sandboxes.c.name == bindparam("b_name"), sandboxes.c.state == "pending")
+    .values(
+        state="running",
+        worker=bindparam("b_worker"),
+        started_at=bindparam("b_started_at"),
+        expires_at=bindparam("b_expires_at"),
+        updated_at=bindparam("b_started_at"),
+    )
+)
+_SET_STATE_WHERE = (
+    sandboxes.c.name == bindparam("b_name"),
+    sandboxes.c.state.in_(bindparam("b_from_states", expanding=True)),
+)
+_SET_STATE = (
+    update(sandboxes)
+    .where(*_SET_STATE_WHERE)
+    .values(state=bindparam("b_state"), updated_at=bindparam("b_now"))
+)
+_SET_STATE_WITH_ERROR = (
+    update(sandboxes)
+    .where(*_SET_STATE_WHERE)
+    .values(state=bindparam("b_state"), error=bindparam("b_error"), updated_at=bindparam("b_now"))
+)
+_SET_EXPIRY = (
+    update(sandboxes)
+    .where(sandboxes.c.name == bindparam("b_name"), sandboxes.c.state == "running")
+    .values(expires_at=bindparam("b_expires_at"), updated_at=bindparam("b_now"))
+)
+_ASSIGN_WORKER = (
+    update(sandboxes)
+    .where(sandboxes.c.name == bindparam("b_name"), sandboxes.c.state == "pending")
+    .values(worker=bindparam("b_worker"), updated_at=bindparam("b_now"))
+)
+
+_SELECT_JOB = select(jobs).where(jobs.c.id == bindparam("b_id"))
+_FINISH_JOB = (
+    update(jobs)
+    .where(jobs.c.id == bindparam("b_id"), jobs.c.state == "pending")
+    .values(state=bindparam("b_state"), error=bindparam("b_error"), updated_at=bindparam("b_now"))
+)
+_FAIL_SANDBOX_JOBS = (
+    update(jobs)
+    .where(jobs.c.sandbox_name == bindparam("b_name"), jobs.c.state == "pending")
+    .values(state="failed", error=bindparam("b_error"), updated_at=bindparam("b_now"))
+)
+
+_SET_WORKER_CONNECTED = (
+    update(workers)
+    .where(workers.c.name == bindparam("b_name"))
+    .values(connected=bindparam("b_connected"), last_seen_at=bindparam("b_now"))
+)
+_SELECT_WORKERS = select(workers).order_by(workers.c.name)
+
+_RELEASE_TUNNEL = delete(tunnel_owners).where(
+    tunnel_owners.c.tunnel_key == bindparam("b_key"),
+    tunnel_owners.c.node_url == bindparam("b_node_url"),
+)
+_SELECT_TUNNEL = select(tunnel_owners.c.node_url, tunnel_owners.c.updated_at).where(
+    tunnel_owners.c.tunnel_key == bindparam("b_key")
+)
+
+
+class _DialectStatements:
+    """The few statements whose SQL differs per dialect: ON CONFLICT inserts."""
+
+    def __init__(self, dialect_name: str) -> None:
+        dialect_insert = sqlite_dialect.insert if dialect_name == "sqlite" else pg.insert
+        self.insert_tenant = dialect_insert(tenants).on_conflict_do_nothing(
+            index_elements=[tenants.c.name]
+        )
+        self.insert_idempotency = dialect_insert(idempotency_keys).on_conflict_do_nothing(
+            index_elements=[idempotency_keys.c.tenant_id, idempotency_keys.c.digest]
+        )
+        worker_ins = dialect_insert(workers)
+        self.upsert_worker = worker_ins.on_conflict_do_update(
+            index_elements=[workers.c.name],
+            set_={
+                "capacity": worker_ins.excluded.capacity,
+                "features": worker_ins.excluded.features,
+                "connected": worker_ins.excluded.connected,
+                "node_url": worker_ins.excluded.node_url,
+                "last_seen_at": worker_ins.excluded.last_seen_at,
+            },
+        )
+        tunnel_ins = dialect_insert(tunnel_owners)
+        self.claim_tunnel = tunnel_ins.on_conflict_do_update(
+            index_elements=[tunnel_owners.c.tunnel_key],
+            set_={
+                "node_url": tunnel_ins.excluded.node_url,
+                "updated_at": tunnel_ins.excluded.updated_at,
+            },
+        )
+
+
+_STATEMENTS: Final = {name: _DialectStatements(name) for name in ("sqlite", "postgresql")}
+
+
+# ------------------------------------------------------------------------------ rows
+
+
+def _tenant(row: Row[Any]) -> Tenant:
+    return Tenant(id=TenantId(row.id), name=row.name, created_at=row.created_at)
+
+
+def _api_key(row: Row[Any]) -> ApiKey:
+    return ApiKey(
+        key_hash=row.key_hash,
+        kind=cast(KeyKind, row.kind),
+        tenant_id=None if row.tenant_id is None else TenantId(row.tenant_id),
+        created_at=row.created_at,
+        label=row.label,
+    )
+
+
+def _sandbox(row: Row[Any]) -> Sandbox:
+    return Sandbox(
+        name=SandboxName(row.name),
+        tenant_id=TenantId(row.tenant_id),
+        state=cast(SandboxState, row.state),
+        template=row.template,
+        timeout=row.timeout,
+        metadata=row.metadata,
+        env=row.env,
+        network=row.network,
+        resources=row.resources,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        worker=None if row.worker is None else WorkerName(row.worker),
+        started_at=row.started_at,
+        expires_at=row.expires_at,
+        error=row.error,
+    )
+
+
+def _job(row: Row[Any]) -> Job:
+    return Job(
+        id=JobId(row.id),
+        kind=row.kind,
+        sandbox_name=SandboxName(row.sandbox_name),
+        state=cast(JobState, row.state),
+        request=row.request,
+        attempt=row.attempt,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        error=row.error,
+    )
+
+
+def _idempotency(row: Row[Any]) -> IdempotencyRecord:
+    return IdempotencyRecord(
+        tenant_id=TenantId(row.tenant_id),
+        digest=row.digest,
+        fingerprint=row.fingerprint,
+        sandbox_name=SandboxName(row.sandbox_name),
+        created_at=row.created_at,
+    )
+
+
+def _worker(row: Row[Any]) -> Worker:
+    return Worker(
+        name=WorkerName(row.name),
+        capacity=row.capacity,
+        features=row.features,
+        connected=row.connected,
+        last_seen_at=row.last_seen_at,
+        node_url=row.node_url,
+    )
+
+
+def _state_ok(state: str, states: tuple[SandboxState, ...]) -> bool:
+    return state in states if states else state != "deleted"
+
+
+def _sandbox_matches(sb: Sandbox, tenant_id: TenantId, where: SandboxFilter) -> bool:
+    if sb.tenant_id != tenant_id or not _state_ok(sb.state, where.states):
+        return False
+    meta = sb.metadata if isinstance(sb.metadata, dict) else {}
+    return all(meta.get(k) == v for k, v in where.metadata.items())
+
+
+# ----------------------------------------------------------------------------- store
+
+
+class SqlStore:
+    """The Store Protocol on one SQLAlchemy async engine (SQLite or PostgreSQL)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self.dialect: Final[str] = engine.dialect.name
+        if self.dialect not in _STATEMENTS:
+            raise ValueError(f"unsupported database dialect {self.dialect!r}")
+        self._stmts = _STATEMENTS[self.dialect]
+        self._sqlite = self.dialect == "sqlite"
+        # One-statement reads and writes need no explicit transaction: a single statement
+        # is atomic on its own. On PostgreSQL, AUTOCOMMIT saves the BEGIN and the
+        # COMMIT/ROLLBACK round trips around it (asyncpg's adapter otherwise opens a
+        # transaction before every first statement). pysqlite manages SQLite's implicit
+        # transactions itself: it starts one before a write, never before a SELECT.
+        self._auto = engine if self._sqlite else engine.execution_options(isolation_level="AUTOCOMMIT")
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self._engine
+
+    # --- helpers
+
+    def _single(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A connection for one statement: autocommit on PG, a short txn on SQLite."""
+        return self._engine.begin() if self._sqlite else self._auto.connect()
+
+    async def _fetch_one(self, stmt: Any, params: Mapping[str, Any]) -> Row[Any] | None:
+        async with self._auto.connect() as conn:
+            result = await conn.execute(stmt, params)
+            return result.first()
+
+    async def _fetch_all(self, stmt: Any, params: Mapping[str, Any]) -> list[Row[Any]]:
+        async with self._auto.connect() as conn:
+            result = await conn.execute(stmt, params)
+            return list(result.all())
+
+    async def _write(self, stmt: Any, params: Mapping[str, Any]) -> int:
+        async with self._single() as conn:
+            result = await conn.execute(stmt, params)
+            return result.rowcount
+
+    # --- lifecycle
+
+    async def aclose(self) -> None:
+        await self._engine.dispose()
+
+    # --- tenants and keys
+
+    @_store_op
+    async def ensure_tenant(self, name: str) -> Tenant:
+        async with self._engine.begin() as conn:
+            # Insert first, then read: two instances ensuring the same tenant both end up
+            # with the one row, and on SQLite the transaction starts with its write.
+            await conn.execute(
+                self._stmts.insert_tenant,
+                {"id": uuid.uuid4().hex, "name": name, "created_at": _utcnow()},
+            )
+            row = (await conn.execute(_SELECT_TENANT_BY_NAME, {"b_name": name})).first()
+        if row is None:  # pragma: no cover - the row was just written or already there
+            raise StoreError("tenant vanished while being ensured")
+        return _tenant(row)
+
+    @_store_op
+    async def get_tenant(self, tenant_id: TenantId) -> Tenant | None:
+        row = await self._fetch_one(_SELECT_TENANT, {"b_id": tenant_id})
+        return None if row is None else _tenant(row)
+
+    @_store_op
+    async def add_api_key(self, key: ApiKey) -> None:
+        await self._write(
+            _INSERT_API_KEY,
+            {
+                "key_hash": key.key_hash,
+                "kind": key.kind,
+                "tenant_id": key.tenant_id,
+                "label": key.label,
+                "created_at": key.created_at,
+            },
+        )
+
+    @_store_op
+    async def find_api_key(self, key_hash: str) -> ApiKey | None:
+        row = await self._fetch_one(_SELECT_API_KEY, {"b_key_hash": key_hash})
+        if row is None or row.key_hash != key_hash:
+            return None
+        return _api_key(row)
+
+    # --- create
+
+    @_store_op
+    async def insert_sandbox(
+        self, sandbox: Sandbox, job: Job, idempotency: IdempotencyRecord | None
+    ) -> None:
+        if job.sandbox_name != sandbox.name or (
+            idempotency is not None
+            and (
+                idempotency.tenant_id != sandbox.tenant_id
+                or idempotency.sandbox_name != sandbox.name
+            )
+        ):
+            raise StoreError("sandbox, job and idempotency record do not belong together")
+        async with self._engine.begin() as conn:
+            if idempotency is not None:
+                # First statement of the transaction: on SQLite it takes the write lock
+                # before anything is read; on PostgreSQL a concurrent insert of the same
+                # key waits here for the other transaction and then does nothing.
+                result = await conn.execute(
+                    self._stmts.insert_idempotency,
+                    {
+                        "tenant_id": idempotency.tenant_id,
+                        "digest": idempotency.digest,
+                        "fingerprint": idempotency.fingerprint,
+                        "sandbox_name": idempotency.sandbox_name,
+                        "created_at": idempotency.created_at,
+                    },
+                )
+                if result.rowcount != 1:
+                    raise IdempotencyConflictError("idempotency key already recorded")
+            await conn.execute(
+                _INSERT_SANDBOX,
+                {
+                    "name": sandbox.name,
+                    "tenant_id": sandbox.tenant_id,
+                    "state": sandbox.state,
+                    "template": sandbox.template,
+                    "timeout": sandbox.timeout,
+                    "metadata": sandbox.metadata,
+                    "env": sandbox.env,
+                    "network": sandbox.network,
+                    "resources": sandbox.resources,
+                    "worker": sandbox.worker,
+                    "error": sandbox.error,
+                    "created_at": sandbox.created_at,
+                    "updated_at": sandbox.updated_at,
+                    "started_at": sandbox.started_at,
+                    "expires_at": sandbox.expires_at,
+                },
+            )
+            await conn.execute(
+                _INSERT_JOB,
+                {
+                    "id": job.id,
+                    "kind": job.kind,
+                    "sandbox_name": job.sandbox_name,
+                    "state": job.state,
+                    "request": job.request,
+                    "attempt": job.attempt,
+                    "claimed_by": None,
+                    "error": job.error,
+                    "created_at": job.created_at,
+                    "updated_at": job.updated_at,
+                },
+            )
+
+    @_store_op
+    async def find_idempotency(self, tenant_id: TenantId, digest: str) -> IdempotencyRecord | None:
+        row = await self._fetch_one(
+            _SELECT_IDEMPOTENCY, {"b_tenant_id": tenant_id, "b_digest": digest}
+        )
+        if row is None or row.tenant_id != tenant_id or row.digest != digest:
+            return None
+        return _idempotency(row)
+
+    # --- sandboxes
+
+    @_store_op
+    async def get_sandbox(self, name: SandboxName) -> Sandbox | None:
+        row = await self._fetch_one(_SELECT_SANDBOX, {"b_name": name})
+        return None if row is None else _sandbox(row)
+
+    @_store_op
+    async def get_tenant_sandbox(self, tenant_id: TenantId, name: SandboxName) -> Sandbox | None:
+        row = await self._fetch_one(_SELECT_TENANT_SANDBOX, {"b_name": name, "b_tenant_id": tenant_id})
+        if row is None or row.tenant_id != tenant_id:
+            return None
+        return _sandbox(row)
+
+    def _metadata_condition(self, key: str, value: str) -> ColumnElement[bool]:
+        if self._sqlite and not _SQLITE_PATH_SAFE_KEY.fullmatch(key):
+            pairs = func.json_each(sandboxes.c.metadata).table_valued("key", "value")
+            return exists(
+                select(literal(1))
+                .select_from(pairs)
+                .where(pairs.c.key == key, pairs.c.value == value)
+            )
+        return sandboxes.c.metadata[key].as_string() == value
+
+    @_store_op
+    async def list_sandboxes(self, tenant_id: TenantId, where: SandboxFilter) -> list[Sandbox]:
+        if where.limit <= 0:
+            return []
+        conditions: list[ColumnElement[bool]] = [sandboxes.c.tenant_id == tenant_id]
+        if where.states:
+            conditions.append(sandboxes.c.state.in_(where.states))
+        else:
+            conditions.append(sandboxes.c.state != "deleted")
+        conditions.extend(self._metadata_condition(k, v) for k, v in where.metadata.items())
+        base = select(sandboxes).where(*conditions).order_by(sandboxes.c.name)
+
+        found: list[Sandbox] = []
+        cursor = where.after
+        async with self._auto.connect() as conn:
+            while len(found) < where.limit:
+                want = where.limit - len(found)
+                stmt = base if cursor is None else base.where(sandboxes.c.name > cursor)
+                rows = (await conn.execute(stmt.limit(want))).all()
+                for row in rows:
+                    sb = _sandbox(row)
+                    if _sandbox_matches(sb, tenant_id, where):
+                        found.append(sb)
+                if len(rows) < want:
+                    break
+                # Some row failed the re-check: keep scanning after the last one seen so a
+                # short page never falsely signals the end of the listing.
+                cursor = SandboxName(rows[-1].name)
+        return found
+
+    @_store_op
+    async def list_worker_sandboxes(
+        self, worker: WorkerName, states: tuple[SandboxState, ...]
+    ) -> list[Sandbox]:
+        wanted: Iterable[str] = states or ("pending", "running", "stopped", "error")
+        rows = await self._fetch_all(
+            _SELECT_WORKER_SANDBOXES, {"b_worker": worker, "b_states": list(wanted)}
+        )
+        out = [_sandbox(r) for r in rows]
+        return [sb for sb in out if sb.worker == worker and _state_ok(sb.state, states)]
+
+    @_store_op
+    async def count_live_sandboxes(self, worker: WorkerName) -> int:
+        row = await self._fetch_one(
+            _COUNT_WORKER_SANDBOXES, {"b_worker": worker, "b_states": list(_LIVE_STATES)}
+        )
+        return 0 if row is None else int(row[0])
+
+    @_store_op
+    async def list_expired(self, now: datetime, limit: int) -> list[Sandbox]:
+        if limit <= 0:
+            return []
+        rows = await self._fetch_all(_SELECT_EXPIRED, {"b_now": now, "b_limit": limit})
+        out = [_sandbox(r) for r in rows]
+        return [
+            sb
+            for sb in out
+            if sb.state == "running" and sb.expires_at is not None and sb.expires_at <= now
+        ]
+
+    # --- conditional state moves
+
+    @_store_op
+    async def mark_running(
+        self, name: SandboxName, worker: WorkerName, started_at: datetime, expires_at: datetime
+    ) -> bool:
+        moved = await self._write(
+            _MARK_RUNNING,
+            {
+                "b_name": name,
+                "b_worker": worker,
+                "b_started_at": started_at,
+                "b_expires_at": expires_at,
+            },
+        )
+        return moved == 1
+
+    @_store_op
+    async def set_sandbox_state(
+        self,
+        name: SandboxName,
+        state: SandboxState,
+        *,
+        from_states: tuple[SandboxState, ...],
+        error: str | None = None,
+        now: datetime,
+    ) -> bool:
+        if not from_states:
+            return False
+        params: dict[str, Any] = {
+            "b_name": name,
+            "b_from_states": list(from_states),
+            "b_state": state,
+            "b_now": now,
+        }
+        if error is None:
+            stmt = _SET_STATE  # keeps whatever error was recorded before
+        else:
+            stmt = _SET_STATE_WITH_ERROR
+            params["b_error"] = error
+        return await self._write(stmt, params) == 1
+
+    @_store_op
+    async def set_expiry(self, name: SandboxName, expires_at: datetime, now: datetime) -> bool:
+        """Only while running: a TTL means nothing for a sandbox that is not."""
+        moved = await self._write(
+            _SET_EXPIRY, {"b_name": name, "b_expires_at": expires_at, "b_now": now}
+        )
+        return moved == 1
+
+    @_store_op
+    async def assign_worker(self, name: SandboxName, worker: WorkerName, now: datetime) -> None:
+        """Only while pending: a running sandbox lives on the worker that started it."""
+        await self._write(_ASSIGN_WORKER, {"b_name": name, "b_worker": worker, "b_now": now})
+
+    # --- jobs
+
+    @_store_op
+    async def get_job(self, job_id: JobId) -> Job | None:
+        row = await self._fetch_one(_SELECT_JOB, {"b_id": job_id})
+        return None if row is None else _job(row)
+
+    @_store_op
+    async def finish_job(
+        self, job_id: JobId, state: JobState, *, error: str | None = None, now: datetime
+    ) -> bool:
+        moved = await self._write(
+            _FINISH_JOB, {"b_id": job_id, "b_state": state, "b_error": error, "b_now": now}
+        )
+        return moved == 1
+
+    @_store_op
+    async def fail_sandbox_jobs(self, name: SandboxName, error: str, now: datetime) -> int:
+        return await self._write(
+            _FAIL_SANDBOX_JOBS, {"b_name": name, "b_error": error, "b_now": now}
+        )
+
+    # --- workers
+
+    @_store_op
+    async def upsert_worker(self, worker: Worker) -> None:
+        await self._write(
+            self._stmts.upsert_worker,
+            {
+                "name": worker.name,
+                "capacity": worker.capacity,
+                "features": worker.features,
+                "connected": worker.connected,
+                "node_url": worker.node_url,
+                "last_seen_at": worker.last_seen_at,
+            },
+        )
+
+    @_store_op
+    async def set_worker_connected(self, name: WorkerName, connected: bool, now: datetime) -> None:
+        await self._write(
+            _SET_WORKER_CONNECTED, {"b_name": name, "b_connected": connected, "b_now": now}
+        )
+
+    @_store_op
+    async def list_workers(self) -> list[Worker]:
+        return [_worker(r) for r in await self._fetch_all(_SELECT_WORKERS, {})]
+
+    # --- tunnel ownership
+
+    @_store_op
+    async def claim_tunnel(self, tunnel_key: str, node_url: str, now: datetime) -> None:
+        await self._write(
+            self._stmts.claim_tunnel,
+            {"tunnel_key": tunnel_key, "node_url": node_url, "updated_at": now},
+        )
+
+    @_store_op
+    async def release_tunnel(self, tunnel_key: str, node_url: str) -> None:
+        await self._write(_RELEASE_TUNNEL, {"b_key": tunnel_key, "b_node_url": node_url})
+
+    @_store_op
+    async def tunnel_owner(self, tunnel_key: str) -> tuple[str, datetime] | None:
+        row = await self._fetch_one(_SELECT_TUNNEL, {"b_key": tunnel_key})
+        return None if row is None else (row.node_url, row.updated_at)
+
+
+# ------------------------------------------------------------------------------ open
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _connection_record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA busy_timeout=5000")  # first: WAL switch may wait for a lock
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+    finally:
+        cursor.close()
+
+
+async def open_store(url: str) -> SqlStore:
+    """Open (not migrate) the store at `url`. See `migrate.async_url` for URL forms."""
+    target = async_url(url)
+    if target.get_backend_name() == "sqlite":
+        # aiosqlite: one thread per connection. WAL lets readers run beside the writer;
+        # writers queue on busy_timeout. (In-memory SQLite is refused by async_url.)
+        engine = create_async_engine(
+            target,
+            pool_size=5,
+            max_overflow=10,
+            pool_timeout=30,
+            json_serializer=_dumps,
+        )
+        event.listen(engine.sync_engine, "connect", _sqlite_on_connect)
+    else:
+        engine = create_async_engine(
+            target,
+            pool_size=10,
+            max_overflow=10,
+            pool_timeout=30,
+            pool_recycle=1800,
+            json_serializer=_dumps,
+        )
+    return SqlStore(engine)
+
+
+__all__ = ["SqlStore", "open_store"]

@@ -1,0 +1,180 @@
+"""Request/response over frames, in both directions, on any byte link.
+
+One `RpcChannel` sits on each link sandgate runs: server⇄worker (WebSocket) and
+worker⇄agent (pipes). The link's owner feeds it every received frame and gives it a `send`
+coroutine; the channel correlates responses with the calls waiting for them and runs
+incoming requests through a handler inside the task group its `serve()` owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from sandgate.agent.frames import Header, encode, error_header
+from sandgate.errors import (
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    PathOutsideSandboxError,
+    SandboxTimeoutError,
+    SandgateError,
+    TunnelUnavailableError,
+    WorkerError,
+)
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[bytes], Awaitable[None]]
+Handler = Callable[[Header, bytes], Awaitable[tuple[Header, bytes]]]
+EventHandler = Callable[[Header, bytes], Awaitable[None]]
+
+# Error codes a peer may answer with, and the domain error each becomes here.
+_REMOTE_ERRORS: dict[str, type[SandgateError]] = {
+    "not_found": NotFoundError,
+    "path_outside_sandbox": PathOutsideSandboxError,
+    "invalid_request": InvalidRequestError,
+    "exists": ConflictError,
+    "not_a_directory": ConflictError,
+    "is_a_directory": ConflictError,
+    "directory_not_empty": ConflictError,
+    "permission_denied": PathOutsideSandboxError,
+    "network_unavailable": InvalidRequestError,
+}
+
+
+class LinkClosedError(TunnelUnavailableError):
+    """The link went away while a call was waiting."""
+
+
+def remote_error(header: Header) -> SandgateError:
+    err = header.get("error") or {}
+    code = str(err.get("code", "worker_error"))
+    message = str(err.get("message", "the peer failed without a message"))
+    cls = _REMOTE_ERRORS.get(code, WorkerError)
+    return cls(message, code=code)
+
+
+class RpcChannel:
+    def __init__(
+        self,
+        send: Send,
+        *,
+        handler: Handler | None = None,
+        on_event: EventHandler | None = None,
+        name: str = "link",
+    ) -> None:
+        self._send = send
+        self._handler = handler
+        self._on_event = on_event
+        self.name = name
+        self._next_id = 1
+        self._pending: dict[int, asyncio.Future[tuple[Header, bytes]]] = {}
+        self._send_lock = asyncio.Lock()
+        self._tasks: asyncio.TaskGroup | None = None
+        self._closed: SandgateError | None = None
+        self._running: set[asyncio.Task[None]] = set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    async def send_frame(self, header: Header, payload: bytes = b"") -> None:
+        if self._closed is not None:
+            raise self._closed
+        frame = encode(header, payload)
+        async with self._send_lock:
+            await self._send(frame)
+
+    async def call(
+        self, op: str, payload: bytes = b"", *, wait: float | None = 30.0, **fields: Any
+    ) -> tuple[Header, bytes]:
+        """Send a request and wait up to `wait` s for its answer; raise the error it carries."""
+        if self._closed is not None:
+            raise self._closed
+        request_id = self._next_id
+        self._next_id += 1
+        future: asyncio.Future[tuple[Header, bytes]] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            await self.send_frame({"id": request_id, "op": op, **fields}, payload)
+            try:
+                header, body = await asyncio.wait_for(future, wait)
+            except TimeoutError:
+                raise SandboxTimeoutError(
+                    f"{self.name}: no answer to {op!r} within {wait:g} s"
+                ) from None
+        finally:
+            self._pending.pop(request_id, None)
+        if not header.get("ok"):
+            raise remote_error(header)
+        return header, body
+
+    async def event(self, kind: str, /, payload: bytes = b"", **fields: Any) -> None:
+        await self.send_frame({"event": kind, **fields}, payload)
+
+    async def serve(self, frames: Callable[[], Awaitable[tuple[Header, bytes] | None]]) -> None:
+        """Read frames until the link ends, dispatching each; then fail what is waiting."""
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                while True:
+                    frame = await frames()
+                    if frame is None:
+                        break
+                    self._dispatch(*frame)
+                # the link is gone: answers could not be sent, so stop the work behind them
+                for task in list(self._running):
+                    task.cancel()
+        finally:
+            self._tasks = None
+            self.close(LinkClosedError(f"{self.name} closed", retry_after=1.0))
+
+    def close(self, error: SandgateError) -> None:
+        if self._closed is None:
+            self._closed = error
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self._pending.clear()
+
+    def _dispatch(self, header: Header, payload: bytes) -> None:
+        if "ok" in header:
+            future = self._pending.get(header.get("id"))  # type: ignore[arg-type]
+            if future is not None and not future.done():
+                future.set_result((header, payload))
+            return
+        if "op" in header and self._tasks is not None and self._handler is not None:
+            task = self._tasks.create_task(self._answer(header, payload))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+            return
+        if "event" in header and self._tasks is not None and self._on_event is not None:
+            self._tasks.create_task(self._notify(header, payload))
+            return
+        log.warning("rpc.unexpected_frame", extra={"link": self.name, "keys": sorted(header)})
+
+    async def _answer(self, header: Header, payload: bytes) -> None:
+        assert self._handler is not None
+        request_id = header.get("id")
+        try:
+            reply, body = await self._handler(header, payload)
+            response: Header = {"id": request_id, "ok": True, **reply}
+        except SandgateError as exc:
+            response, body = error_header(request_id, exc.code, exc.message), b""
+        except Exception as exc:
+            log.exception("rpc.handler_failed", extra={"link": self.name, "op": header.get("op")})
+            response, body = error_header(request_id, "worker_error", f"{type(exc).__name__}: {exc}"), b""
+        try:
+            await self.send_frame(response, body)
+        except SandgateError:
+            pass  # the link closed; the caller's side fails its own wait
+
+    async def _notify(self, header: Header, payload: bytes) -> None:
+        assert self._on_event is not None
+        try:
+            await self._on_event(header, payload)
+        except Exception:
+            log.exception("rpc.event_failed", extra={"link": self.name, "event": header.get("event")})

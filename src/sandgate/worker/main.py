@@ -1,0 +1,109 @@
+"""`sandgate worker`: prepare the runtime, dial the control plane, serve until signalled."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+from sandgate.agent.frames import Header
+from sandgate.config import WorkerSettings
+from sandgate.local_state import WorkerLocalState
+from sandgate.tunnel.client import TunnelClient
+from sandgate.tunnel.rpc import RpcChannel
+from sandgate.worker.runtime.base import Runtime
+from sandgate.worker.service import WorkerService
+
+log = logging.getLogger(__name__)
+
+AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent"
+
+
+def install_agent(agent_dir: Path) -> None:
+    """Copy the agent where every sandbox uid can read it (it is bind-mounted read-only)."""
+    agent_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(agent_dir, 0o755)
+    for source, target in (("main.py", "agent.py"), ("frames.py", "frames.py")):
+        shutil.copyfile(AGENT_SOURCE / source, agent_dir / target)
+        os.chmod(agent_dir / target, 0o644)
+
+
+def make_runtime(settings: WorkerSettings, state_dir: Path, agent_dir: Path) -> Runtime:
+    if settings.runtime == "bwrap":
+        from sandgate.worker.runtime.bwrap import BwrapRuntime
+
+        return BwrapRuntime(
+            state_dir, agent_dir, worker_name=settings.name, allow_network=settings.allow_network
+        )
+    if settings.runtime == "process":
+        from sandgate.worker.runtime.process import ProcessRuntime
+
+        log.warning(
+            "runtime.unisolated: the process runtime gives NO isolation; development only",
+            extra={"worker": settings.name},
+        )
+        return ProcessRuntime(state_dir, agent_dir, worker_name=settings.name)
+    raise ValueError(f"unknown runtime {settings.runtime!r}; use bwrap or process")
+
+
+async def run_worker(settings: WorkerSettings) -> None:
+    state_dir = settings.state_dir / settings.name
+    state_dir.mkdir(parents=True, exist_ok=True)
+    for directory in (settings.state_dir, state_dir):
+        os.chmod(directory, 0o711)  # sandbox uids must traverse to their workspace
+    agent_dir = state_dir / "agent"
+    install_agent(agent_dir)
+    runtime = make_runtime(settings, state_dir, agent_dir)
+    await runtime.prepare()
+    features = runtime.features()
+    log.info("worker.ready", extra={"worker": settings.name, "features": features})
+
+    service = WorkerService(runtime, capacity=settings.capacity, state=WorkerLocalState())
+
+    def hello() -> dict[str, Any]:
+        return {
+            "name": settings.name,
+            "capacity": settings.capacity,
+            "features": features,
+            "sandboxes": sorted(service.state.sandboxes),
+        }
+
+    async def on_welcome(welcome: Header) -> None:
+        for name in welcome.get("remove") or []:
+            log.warning("sandbox.unknown_to_control_plane", extra={"sandbox": name})
+            await service.destroy(str(name))
+
+    def on_channel(channel: RpcChannel | None) -> None:
+        if channel is None:
+            service.notify = None
+            return
+
+        async def notify(event: str, fields: dict[str, Any]) -> None:
+            await channel.event(event, **fields)
+
+        service.notify = notify
+
+    client = TunnelClient(
+        settings.server_url,
+        settings.token,
+        hello=hello,
+        handler=service.handle,
+        on_welcome=on_welcome,
+        on_channel=on_channel,
+        heartbeat_interval=settings.heartbeat_interval,
+        reconnect_min=settings.reconnect_min,
+        reconnect_max=settings.reconnect_max,
+    )
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, main_task.cancel)
+    try:
+        await service.run(client.run)
+    except asyncio.CancelledError:
+        log.info("worker.stopped", extra={"worker": settings.name})

@@ -1,0 +1,57 @@
+"""What a sandbox runtime does for the worker: start the agent isolated, stop it, clean up.
+
+A runtime knows nothing about the tunnel or the agent protocol: it starts
+`agent_argv(...)` inside a fresh sandbox with stdin/stdout as pipes and hands back the
+process. The worker talks to the agent over those pipes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    name: str  # also the hostname inside the sandbox; [a-z0-9-], at most 63 chars
+    env: dict[str, str] = field(default_factory=dict)
+    network: bool = False
+    memory_mb: int = 512
+    cpus: float = 1.0
+    pids: int = 256
+
+
+@dataclass
+class RunningSandbox:
+    spec: SandboxSpec
+    process: asyncio.subprocess.Process  # stdin/stdout are the agent's frame pipes
+    workspace: Path  # host path of /workspace
+    # runtime-private handles (uid lease, cgroup paths, ...) needed by stop()
+    private: dict[str, Any] = field(default_factory=dict)
+
+
+class Runtime(Protocol):
+    name: str
+
+    def features(self) -> dict[str, Any]:
+        """What this runtime enforces on this host, reported to the control plane.
+
+        Never claims a protection it does not apply: e.g. {"isolation": "bwrap",
+        "user_namespace": True, "seccomp": True, "network": "none", "limits": {"memory":
+        True, "pids": True, "cpu": True}, "cgroup": "v1"}.
+        """
+        ...
+
+    async def prepare(self) -> None:
+        """Once at worker start: check the host, remove leftovers of an earlier crash."""
+        ...
+
+    async def start(self, spec: SandboxSpec) -> RunningSandbox:
+        """Create the sandbox and start its agent. On failure nothing is left behind."""
+        ...
+
+    async def stop(self, sandbox: RunningSandbox) -> None:
+        """Kill every process of the sandbox and remove its files, cgroups and mounts."""
+        ...

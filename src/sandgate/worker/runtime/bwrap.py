@@ -1,0 +1,557 @@
+"""The production runtime: bubblewrap, one unprivileged host uid per sandbox.
+
+Per sandbox (see docs/decisions/0001-bwrap-runtime.md for why):
+
+* a host uid leased exclusively from ``[uid_base, uid_base + uid_count)`` (`uids.py`); the
+  workspace directory is owned by it, mode 0700;
+* cgroups ``sandgate/<worker>/<sandbox>`` with memory, pids and cpu limits (`cgroups.py`),
+  joined by a tiny ``sh`` before anything else runs;
+* ``setpriv`` drops to the leased uid/gid, clears groups, capabilities and sets
+  no_new_privs, then execs ``bwrap`` which builds a user namespace (uid 1000 inside, nested
+  user namespaces disabled), pid/ipc/uts/cgroup namespaces, a network namespace with only
+  ``lo`` unless the sandbox asked for (host) network, a read-only tmpfs root with the host's
+  /usr and a generated minimal /etc, a writable /workspace and /tmp, and a seccomp filter
+  (`seccomp.py`).
+
+Process chain: worker -> sh (joins cgroups) -exec-> setpriv -exec-> bwrap (outer, the
+`process` returned) -> bwrap's pid-1 reaper -> the agent (or a probe ``argv``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import logging
+import os
+import pwd
+import re
+import shutil
+import stat
+from pathlib import Path
+from typing import Any
+
+from sandgate.errors import InvalidRequestError, NetworkUnavailableError, WorkerError
+from sandgate.worker import cgroups, seccomp
+from sandgate.worker.cgroups import CgroupHost, SandboxCgroups
+from sandgate.worker.runtime.base import RunningSandbox, SandboxSpec
+from sandgate.worker.uids import UidLease, UidPool
+
+log = logging.getLogger(__name__)
+
+AGENT_MOUNT = "/opt/sandgate"
+SANDBOX_UID = 1000
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+DEFAULT_UID_LOCK_DIR = Path("/run/sandgate/uids")
+MIN_BWRAP = (0, 8, 0)  # --disable-userns
+
+# Host /etc entries bound read-only into the sandbox when present. Nothing else of the
+# host's /etc is visible (no shadow, no keys, no host names).
+HOST_ETC = (
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "alternatives",
+    "ssl",
+    "localtime",
+)
+ROOT_LINKS = ("bin", "sbin", "lib", "lib64", "lib32", "libx32")
+
+
+def agent_argv() -> list[str]:
+    """The command that runs the agent inside a bwrap sandbox."""
+    return [
+        "/usr/bin/python3",
+        "-I",
+        "-S",
+        f"{AGENT_MOUNT}/agent.py",
+        "--workspace",
+        "/workspace",
+        "--tmp",
+        "/tmp",
+    ]
+
+
+def check_spec(spec: SandboxSpec) -> None:
+    """Refuse a sandbox name or environment that could escape its paths or break argv."""
+    if not NAME_RE.fullmatch(spec.name):
+        raise InvalidRequestError(
+            f"invalid sandbox name {spec.name!r}: use 1-63 of [a-z0-9-], not starting with '-'"
+        )
+    for key, value in spec.env.items():
+        if not ENV_NAME_RE.fullmatch(key):
+            raise InvalidRequestError(f"invalid environment variable name {key!r}")
+        if "\0" in value:
+            raise InvalidRequestError(f"environment variable {key} contains a NUL byte")
+    if spec.memory_mb < 16 or spec.pids < 8 or spec.cpus <= 0:
+        raise InvalidRequestError(
+            f"sandbox limits too small: memory_mb={spec.memory_mb} (>= 16), "
+            f"pids={spec.pids} (>= 8), cpus={spec.cpus} (> 0)"
+        )
+
+
+def untraversable(path: Path) -> Path | None:
+    """The first of `path` and its ancestors that an unprivileged uid cannot enter."""
+    p = path.absolute()
+    for d in [*reversed(p.parents), p]:
+        try:
+            st = os.stat(d)
+        except OSError:
+            return d
+        if not stat.S_ISDIR(st.st_mode) or not st.st_mode & stat.S_IXOTH:
+            return d
+    return None
+
+
+def _write_file(path: Path, content: str, mode: int = 0o644) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(content)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+class BwrapRuntime:
+    name = "bwrap"
+
+    def __init__(
+        self,
+        state_dir: Path,
+        agent_dir: Path,
+        *,
+        worker_name: str,
+        uid_base: int = 200000,
+        uid_count: int = 10000,
+        allow_network: bool = False,
+        uid_lock_dir: Path | None = None,
+    ) -> None:
+        """`uid_lock_dir` must be shared by every worker on the host that uses an overlapping
+        uid range; the default is host-wide (/run/sandgate/uids), not per state_dir."""
+        if not NAME_RE.fullmatch(worker_name):
+            raise ValueError(f"invalid worker name {worker_name!r}: use [a-z0-9-], 1-63 chars")
+        self.state_dir = Path(state_dir).absolute()
+        self.agent_dir = Path(agent_dir).absolute()
+        self.worker_name = worker_name
+        self.allow_network = allow_network
+        self.uids = UidPool(uid_lock_dir or DEFAULT_UID_LOCK_DIR, uid_base, uid_count)
+        self.sandboxes_dir = self.state_dir / "sandboxes"
+        self.etc_dir = self.state_dir / "etc"
+        self.seccomp_path = self.state_dir / "seccomp.bpf"
+        self._prepared = False
+        self._bwrap = "/usr/bin/bwrap"
+        self._setpriv = "/usr/bin/setpriv"
+        self._cg_host: CgroupHost | None = None
+        self._limits: dict[str, bool] = {c: False for c in cgroups.LIMIT_CONTROLLERS}
+        self._cgroup_kill = False
+        self._memsw = False
+        self._root_args: list[str] = []
+        self._etc_args: list[str] = []
+        self._agent_checked = False
+
+    # ------------------------------------------------------------------ features
+
+    def features(self) -> dict[str, Any]:
+        host = self._cg_host
+        return {
+            "runtime": "bwrap",
+            "isolation": "bwrap",
+            "prepared": self._prepared,
+            "user_namespace": True,
+            "uid": "per-sandbox",
+            "seccomp": True,
+            "no_new_privs": True,
+            "capabilities": "none",
+            "network": "host-optional" if self.allow_network else "none",
+            "readonly_root": True,
+            "pid_namespace": True,
+            "ipc_namespace": True,
+            "uts_namespace": True,
+            "nested_user_namespaces": False,
+            "cgroup": host.mode if host is not None and self._prepared else "none",
+            "cgroup_kill": self._cgroup_kill,
+            "limits": dict(self._limits),
+            "memory_limit_includes_swap": self._limits["memory"] and self._memsw,
+            "disk_quota": False,
+        }
+
+    # ------------------------------------------------------------------ prepare
+
+    async def prepare(self) -> None:
+        if os.geteuid() != 0:
+            raise WorkerError("the bwrap runtime must run as root (it drops to a uid per sandbox)")
+        bwrap = shutil.which("bwrap") or "/usr/bin/bwrap"
+        setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
+        for path, package in ((bwrap, "bubblewrap"), (setpriv, "util-linux")):
+            if not os.access(path, os.X_OK):
+                raise WorkerError(
+                    f"{Path(path).name} not found: install it with `apt-get install -y {package}`"
+                )
+        if not os.access("/bin/sh", os.X_OK):
+            raise WorkerError("/bin/sh not found")
+        self._bwrap, self._setpriv = bwrap, setpriv
+        await self._check_bwrap_version()
+        self._check_uid_range()
+
+        try:
+            self.state_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
+            self.sandboxes_dir.mkdir(mode=0o711, exist_ok=True)
+            os.chmod(self.sandboxes_dir, 0o711)
+            self.uids.ensure_dir()
+        except OSError as exc:
+            raise WorkerError(f"cannot create the state directory {self.state_dir}: {exc}") from exc
+        blocked = untraversable(self.sandboxes_dir)
+        if blocked is not None:
+            raise WorkerError(
+                f"{blocked} is not traversable by unprivileged uids (needs mode o+x, e.g. 0711); "
+                f"sandboxes under {self.state_dir} could not reach their workspace. "
+                f"Run `chmod o+x {blocked}` or choose another --state-dir."
+            )
+
+        # leftovers of an earlier run of this worker: processes and cgroups first, then files
+        self._cg_host = CgroupHost.detect()
+        try:
+            found = await cgroups.cleanup_worker(self._cg_host, self.worker_name)
+        except WorkerError as exc:
+            raise WorkerError(f"cannot clean up after an earlier run: {exc.message}") from exc
+        leftovers = [p for p in self.sandboxes_dir.iterdir()]
+        for p in leftovers:
+            await asyncio.to_thread(_rmtree, p)
+        if found or leftovers:
+            log.warning(
+                "runtime.leftovers_removed worker=%s cgroups=%s dirs=%s",
+                self.worker_name,
+                found,
+                [p.name for p in leftovers],
+            )
+        self._limits = self._cg_host.prepare(self.worker_name)
+        self._cgroup_kill = self._cg_host.has_cgroup_kill(self.worker_name)
+        self._memsw = self._cg_host.memory_includes_swap(self.worker_name)
+        if not all(self._limits.values()):
+            log.warning(
+                "runtime.limits_missing worker=%s limits=%s (not enforced on this host)",
+                self.worker_name,
+                self._limits,
+            )
+
+        try:
+            self._write_etc()
+            seccomp.write_filter(self.seccomp_path)
+        except OSError as exc:
+            raise WorkerError(f"cannot write the sandbox /etc or seccomp filter: {exc}") from exc
+        self._root_args = self._build_root_args()
+        self._prepared = True
+        log.info("runtime.prepared worker=%s features=%s", self.worker_name, self.features())
+
+    async def _check_bwrap_version(self) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            self._bwrap,
+            "--version",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        out, _ = await proc.communicate()
+        m = re.search(rb"(\d+)\.(\d+)\.(\d+)", out)
+        version = tuple(int(x) for x in m.groups()) if m else (0, 0, 0)
+        if version < MIN_BWRAP:
+            raise WorkerError(
+                f"bubblewrap {'.'.join(map(str, version))} is too old (need "
+                f"{'.'.join(map(str, MIN_BWRAP))} for --disable-userns)"
+            )
+
+    def _check_uid_range(self) -> None:
+        """The leased uids must belong to nobody else on the host."""
+        lo, hi = self.uids.base, self.uids.base + self.uids.count
+        taken = [f"user {u.pw_name} ({u.pw_uid})" for u in pwd.getpwall() if lo <= u.pw_uid < hi]
+        taken += [f"group {g.gr_name} ({g.gr_gid})" for g in grp.getgrall() if lo <= g.gr_gid < hi]
+        if taken:
+            raise WorkerError(
+                f"the sandbox uid range [{lo}, {hi}) overlaps host accounts: "
+                f"{', '.join(taken[:5])}; choose another uid base"
+            )
+
+    def _write_etc(self) -> None:
+        self.etc_dir.mkdir(mode=0o755, exist_ok=True)
+        os.chmod(self.etc_dir, 0o755)
+        files = {
+            "passwd": (
+                "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+                f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}::/workspace:/bin/bash\n"
+                "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+            ),
+            "group": f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n",
+            "hosts": "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+            "nsswitch.conf": (
+                "passwd: files\ngroup: files\nshadow: files\n"
+                "hosts: files dns\nnetworks: files\nprotocols: files\nservices: files\n"
+            ),
+        }
+        if self.allow_network:
+            try:
+                files["resolv.conf"] = Path("/etc/resolv.conf").read_text()
+            except OSError:
+                files["resolv.conf"] = ""
+        for name, content in files.items():
+            _write_file(self.etc_dir / name, content)
+        stale = self.etc_dir / "resolv.conf"
+        if not self.allow_network and stale.exists():
+            stale.unlink()
+        args = ["--dir", "/etc"]
+        for name in sorted(files):
+            args += ["--ro-bind", str(self.etc_dir / name), f"/etc/{name}"]
+        for name in HOST_ETC:
+            host = Path("/etc") / name
+            if host.exists():
+                args += ["--ro-bind", str(host), str(host)]
+        self._etc_args = args
+
+    def _build_root_args(self) -> list[str]:
+        args = ["--tmpfs", "/", "--ro-bind", "/usr", "/usr"]
+        for name in ROOT_LINKS:
+            host = Path("/") / name
+            if host.is_symlink():
+                args += ["--symlink", os.readlink(host), str(host)]
+            elif host.is_dir():
+                args += ["--ro-bind", str(host), str(host)]
+        args += self._etc_args
+        args += ["--dev", "/dev", "--proc", "/proc"]
+        return args
+
+    # ------------------------------------------------------------------ start
+
+    async def start(self, spec: SandboxSpec, argv: list[str] | None = None) -> RunningSandbox:
+        """Start `argv` (default: the agent) in a new sandbox; does not wait for readiness."""
+        if not self._prepared or self._cg_host is None:
+            raise WorkerError("BwrapRuntime.prepare() must run before start()")
+        check_spec(spec)
+        if spec.network and not self.allow_network:
+            raise NetworkUnavailableError(
+                "this worker does not give sandboxes network access; start the worker with "
+                "--allow-network to allow it (sandboxes asking for network then share the "
+                "HOST network namespace: they reach everything the host reaches, including "
+                "services on its 127.0.0.1)"
+            )
+        if argv is None:
+            argv = agent_argv()
+            self._check_agent_dir()
+        if not argv:
+            raise InvalidRequestError("empty argv")
+
+        lease: UidLease | None = None
+        sandbox_dir = self.sandboxes_dir / spec.name
+        dir_created = False
+        cg: SandboxCgroups | None = None
+        log_fd = seccomp_fd = args_fd = -1
+        try:
+            lease = self.uids.lease()
+            uid = lease.uid
+            try:
+                sandbox_dir.mkdir(mode=0o711)
+            except FileExistsError:
+                raise WorkerError(f"sandbox {spec.name!r} already exists on this worker") from None
+            dir_created = True
+            os.chmod(sandbox_dir, 0o711)
+            workspace = sandbox_dir / "workspace"
+            workspace.mkdir(mode=0o700)
+            os.chown(workspace, uid, uid)
+            os.chmod(workspace, 0o700)
+            log_path = sandbox_dir / "agent.log"
+            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            cg = cgroups.create_sandbox_cgroups(
+                self._cg_host,
+                self.worker_name,
+                spec.name,
+                limits=self._limits,
+                memory_mb=spec.memory_mb,
+                pids=spec.pids,
+                cpus=spec.cpus,
+            )
+            seccomp_fd = seccomp.open_filter(self.seccomp_path)
+            args = self._bwrap_args(spec, workspace, seccomp_fd)
+            args_fd = _memfd_with(b"".join(a.encode() + b"\0" for a in args))
+            cmd = self._command(uid, args_fd, argv)
+            process = await asyncio.create_subprocess_exec(
+                *cgroups.join_argv(cg.procs_files, cmd),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log_fd,
+                pass_fds=(seccomp_fd, args_fd),
+                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+                start_new_session=True,  # the worker's terminal signals must not reach it
+            )
+        except BaseException as exc:
+            if cg is not None:
+                await cg.kill_all(wait_s=2.0)
+                await cg.remove()
+            if dir_created:
+                await asyncio.to_thread(_rmtree, sandbox_dir)
+            if lease is not None:
+                lease.release()
+            if isinstance(exc, InvalidRequestError | WorkerError) or not isinstance(exc, Exception):
+                raise
+            raise WorkerError(f"cannot start sandbox {spec.name!r}: {exc}") from exc
+        finally:
+            for fd in (log_fd, seccomp_fd, args_fd):
+                if fd >= 0:
+                    os.close(fd)
+        return RunningSandbox(
+            spec=spec,
+            process=process,
+            workspace=workspace,
+            private={
+                "uid": uid,
+                "lease": lease,
+                "cgroups": cg,
+                "sandbox_dir": sandbox_dir,
+                "log_path": log_path,
+                "stopped": False,
+            },
+        )
+
+    def _check_agent_dir(self) -> None:
+        if self._agent_checked:
+            return
+        agent = self.agent_dir / "agent.py"
+        blocked = untraversable(self.agent_dir)
+        if blocked is not None:
+            raise WorkerError(f"agent dir: {blocked} is missing or not traversable (o+x)")
+        for f in (agent, self.agent_dir / "frames.py"):
+            try:
+                mode = os.stat(f).st_mode
+            except OSError as exc:
+                raise WorkerError(f"agent file missing: {exc}") from exc
+            if not mode & stat.S_IROTH:
+                raise WorkerError(f"{f} must be world-readable (it is read by the sandbox uid)")
+        self._agent_checked = True
+
+    def _command(self, uid: int, args_fd: int, argv: list[str]) -> list[str]:
+        """setpriv drops to the sandbox uid, then execs bwrap, which reads its options from
+        `args_fd` (so neither host `ps` nor the sandbox's /proc/1/cmdline shows host paths or
+        the sandbox's environment; only `argv` is visible)."""
+        return [
+            self._setpriv,
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--no-new-privs",
+            self._bwrap,
+            "--args",
+            str(args_fd),
+            "--",
+            *argv,
+        ]
+
+    def _bwrap_args(self, spec: SandboxSpec, workspace: Path, seccomp_fd: int) -> list[str]:
+        """bwrap's options (not the command: bwrap takes that from its real argv only)."""
+        cmd = [
+            "--unshare-user",
+            "--uid",
+            str(SANDBOX_UID),
+            "--gid",
+            str(SANDBOX_UID),
+            "--disable-userns",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+        ]
+        if not spec.network:
+            cmd.append("--unshare-net")
+        cmd += self._root_args
+        cmd += ["--size", str(spec.memory_mb << 20), "--tmpfs", "/tmp"]
+        cmd += ["--bind", str(workspace), "/workspace"]
+        cmd += ["--dir", "/opt", "--ro-bind", str(self.agent_dir), AGENT_MOUNT]
+        cmd += [
+            "--remount-ro",
+            "/",
+            "--chdir",
+            "/workspace",
+            "--hostname",
+            spec.name,
+            "--die-with-parent",
+            "--new-session",
+            "--seccomp",
+            str(seccomp_fd),
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            SANDBOX_PATH,
+            "--setenv",
+            "HOME",
+            "/workspace",
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
+        ]
+        for key, value in spec.env.items():
+            cmd += ["--setenv", key, value]
+        return cmd
+
+    # ------------------------------------------------------------------ stop
+
+    async def stop(self, sandbox: RunningSandbox) -> None:
+        private = sandbox.private
+        if private.get("stopped"):
+            return
+        problems: list[str] = []
+        cg: SandboxCgroups | None = private.get("cgroups")
+        process = sandbox.process
+        all_dead = True
+        if cg is not None:
+            all_dead = await cg.kill_all(wait_s=5.0)
+            if not all_dead:
+                problems.append("processes survived SIGKILL for 5 s")
+        if process.returncode is None:
+            try:
+                process.kill()
+            except ProcessLookupError:
+                pass
+            try:
+                await asyncio.wait_for(process.wait(), 5.0)
+            except TimeoutError:
+                problems.append(f"bwrap (pid {process.pid}) did not exit")
+                all_dead = False
+        if process.stdin is not None:
+            process.stdin.close()
+        if cg is not None:
+            left = await cg.remove()
+            if left:
+                problems.append(f"cgroups not removed: {', '.join(map(str, left))}")
+        sandbox_dir: Path | None = private.get("sandbox_dir")
+        if sandbox_dir is not None:
+            try:
+                await asyncio.to_thread(_rmtree, sandbox_dir)
+            except OSError as exc:
+                problems.append(f"cannot remove {sandbox_dir}: {exc}")
+        lease: UidLease | None = private.get("lease")
+        if lease is not None and all_dead:
+            # never hand the uid to a new sandbox while an old process might still run as it
+            lease.release()
+        private["stopped"] = not problems
+        if problems:
+            raise WorkerError(f"stopping sandbox {sandbox.spec.name!r}: {'; '.join(problems)}")
+
+
+def _memfd_with(data: bytes) -> int:
+    fd = os.memfd_create("sandgate-bwrap-args", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _rmtree(path: Path) -> None:
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink()
+        else:
+            shutil.rmtree(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,227 @@
+"""The worker: sandboxes on this host, driven by requests arriving over the tunnel.
+
+Tunnel operations (server → worker):
+
+| op | fields | answer |
+|---|---|---|
+| `provision` | `name`, `spec` {env, network, memory_mb, cpus, pids} | `sandbox` info; idempotent by name |
+| `destroy` | `name` | `existed` |
+| `list` | | `sandboxes` [names] |
+| `agent` | `sandbox`, `call` {op, ...}, payload | the agent's answer, relayed |
+
+Events (worker → server): `hello` on connect, `heartbeat`, `sandbox_exited` {name, reason}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sandgate.agent.frames import Header
+from sandgate.errors import (
+    InvalidRequestError,
+    NoCapacityError,
+    NotFoundError,
+    SandboxTimeoutError,
+    WorkerError,
+)
+from sandgate.local_state import WorkerLocalState
+from sandgate.worker.agent_link import AgentLink
+from sandgate.worker.runtime.base import RunningSandbox, Runtime, SandboxSpec
+
+log = logging.getLogger(__name__)
+
+AGENT_READY_TIMEOUT = 20.0
+DEFAULT_AGENT_CALL_TIMEOUT = 120.0
+
+Notify = Callable[[str, dict[str, Any]], Awaitable[None]]
+
+
+@dataclass
+class LiveSandbox:
+    running: RunningSandbox
+    link: AgentLink
+    started_at: float = field(default_factory=time.time)
+    stopping: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.running.spec.name
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "pid": self.link.ready_info.get("pid")}
+
+
+class WorkerService:
+    def __init__(self, runtime: Runtime, *, capacity: int, state: WorkerLocalState) -> None:
+        self.runtime = runtime
+        self.capacity = capacity
+        self.state = state
+        self.notify: Notify | None = None  # set while a tunnel is up
+        self._tasks: asyncio.TaskGroup | None = None
+
+    async def run(self, body: Callable[[], Awaitable[None]]) -> None:
+        """Own the task group the agents' readers run in; run `body` (the tunnel) inside it.
+
+        On the way out (body returned or we are cancelled) every sandbox is destroyed.
+        """
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                await body()
+                await self.destroy_all()
+        finally:
+            self._tasks = None
+            await asyncio.shield(self.destroy_all())
+
+    async def handle(self, header: Header, payload: bytes) -> tuple[Header, bytes]:
+        op = header.get("op")
+        if op == "agent":
+            return await self._relay(header, payload)
+        if op == "provision":
+            live = await self.provision(_spec(header))
+            return {"sandbox": live.info()}, b""
+        if op == "destroy":
+            existed = await self.destroy(str(header.get("name", "")))
+            return {"existed": existed}, b""
+        if op == "list":
+            return {"sandboxes": sorted(self.state.sandboxes)}, b""
+        if op == "ping":
+            return {}, b""
+        raise InvalidRequestError(f"unknown tunnel op {op!r}")
+
+    async def provision(self, spec: SandboxSpec) -> LiveSandbox:
+        live = self.state.sandboxes.get(spec.name)
+        if live is not None:
+            return live
+        pending = self.state.provisioning.get(spec.name)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        if len(self.state.sandboxes) + len(self.state.provisioning) >= self.capacity:
+            raise NoCapacityError(f"worker is at its capacity of {self.capacity} sandboxes")
+        future: asyncio.Future[LiveSandbox] = asyncio.get_running_loop().create_future()
+        self.state.provisioning[spec.name] = future
+        try:
+            live = await self._start(spec)
+        except BaseException as exc:
+            future.set_exception(exc if isinstance(exc, Exception) else WorkerError("cancelled"))
+            future.exception()  # retrieved: waiters get it, nobody else needs to
+            raise
+        finally:
+            self.state.provisioning.pop(spec.name, None)
+        self.state.sandboxes[spec.name] = live
+        future.set_result(live)
+        log.info("sandbox.started", extra={"sandbox": spec.name})
+        return live
+
+    async def destroy(self, name: str) -> bool:
+        pending = self.state.provisioning.get(name)
+        if pending is not None:
+            try:
+                await asyncio.shield(pending)
+            except Exception:
+                return False
+        live = self.state.sandboxes.pop(name, None)
+        if live is None:
+            return False
+        live.stopping = True
+        await live.link.close()
+        await self.runtime.stop(live.running)
+        log.info("sandbox.destroyed", extra={"sandbox": name})
+        return True
+
+    async def destroy_all(self) -> None:
+        names = list(self.state.sandboxes) + list(self.state.provisioning)
+        if names:
+            await asyncio.gather(*(self.destroy(n) for n in names), return_exceptions=True)
+
+    async def _start(self, spec: SandboxSpec) -> LiveSandbox:
+        if self._tasks is None:
+            raise WorkerError("worker is shutting down")
+        running = await self.runtime.start(spec)
+        try:
+            link = AgentLink(spec.name, running.process)
+            live = LiveSandbox(running, link)
+            self._tasks.create_task(self._watch(live))
+            ready = asyncio.ensure_future(link.ready.wait())
+            exited = asyncio.ensure_future(running.process.wait())
+            done, _ = await asyncio.wait(
+                {ready, exited}, timeout=AGENT_READY_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
+            )
+            ready.cancel()
+            exited.cancel()
+            if not link.ready.is_set():
+                if exited in done:
+                    raise WorkerError(
+                        f"sandbox {spec.name} exited during start "
+                        f"(code {running.process.returncode}); see the worker log"
+                    )
+                raise SandboxTimeoutError(
+                    f"sandbox {spec.name} agent not ready within {AGENT_READY_TIMEOUT:g} s"
+                )
+            return live
+        except BaseException:
+            await asyncio.shield(self.runtime.stop(running))
+            raise
+
+    async def _watch(self, live: LiveSandbox) -> None:
+        """Serve the agent link; if it ends without a destroy, the sandbox died."""
+        try:
+            await live.link.serve()
+        finally:
+            if not live.stopping and self.state.sandboxes.get(live.name) is live:
+                self.state.sandboxes.pop(live.name, None)
+                code = live.running.process.returncode
+                log.warning("sandbox.died", extra={"sandbox": live.name, "code": code})
+                await asyncio.shield(self.runtime.stop(live.running))
+                task = asyncio.current_task()
+                shutting_down = task is not None and task.cancelling() > 0
+                if self.notify is not None and not shutting_down:
+                    try:
+                        await asyncio.wait_for(
+                            self.notify(
+                                "sandbox_exited",
+                                {"name": live.name, "reason": f"agent exited (code {code})"},
+                            ),
+                            timeout=5.0,
+                        )
+                    except Exception:
+                        log.warning("sandbox.exit_not_reported", extra={"sandbox": live.name})
+
+    async def _relay(self, header: Header, payload: bytes) -> tuple[Header, bytes]:
+        name = str(header.get("sandbox", ""))
+        live = self.state.sandboxes.get(name)
+        if live is None:
+            raise NotFoundError(f"sandbox {name} is not running on this worker")
+        call = header.get("call")
+        if not isinstance(call, dict) or not isinstance(call.get("op"), str):
+            raise InvalidRequestError("agent relay needs a call with an op")
+        fields = dict(call)
+        op = fields.pop("op")
+        timeout = float(header.get("timeout_s") or DEFAULT_AGENT_CALL_TIMEOUT) + 2.0
+        reply, body = await live.link.channel.call(op, payload, wait=timeout, **fields)
+        reply.pop("id", None)
+        reply.pop("ok", None)
+        return reply, body
+
+
+def _spec(header: Header) -> SandboxSpec:
+    name = header.get("name")
+    spec = header.get("spec") or {}
+    if not isinstance(name, str) or not isinstance(spec, dict):
+        raise InvalidRequestError("provision needs a name and a spec")
+    try:
+        return SandboxSpec(
+            name=name,
+            env={str(k): str(v) for k, v in (spec.get("env") or {}).items()},
+            network=bool(spec.get("network", False)),
+            memory_mb=int(spec.get("memory_mb", 512)),
+            cpus=float(spec.get("cpus", 1.0)),
+            pids=int(spec.get("pids", 256)),
+        )
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise InvalidRequestError(f"bad provision spec: {exc}") from None

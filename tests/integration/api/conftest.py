@@ -1,0 +1,191 @@
+"""A real deployment for API tests: `sandgate server` on a SQLite file and a real worker.
+
+Both run as subprocesses started through the CLI, exactly as a user starts them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+RUNTIME = os.environ.get("SANDGATE_TEST_RUNTIME", "bwrap")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def sandgate(*args: str, env: dict[str, str] | None = None) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "sandgate", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=60,
+    )
+    return out.stdout.strip()
+
+
+def wait_until(predicate, timeout: float = 20.0, interval: float = 0.05, what: str = "") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except (httpx.HTTPError, OSError):
+            pass
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what or predicate}")
+
+
+@dataclass
+class Deployment:
+    url: str
+    db: str
+    data_dir: Path
+    state_dir: Path
+    keys: dict[str, str]
+    worker_token: str
+    server: subprocess.Popen[bytes] | None = None
+    worker: subprocess.Popen[bytes] | None = None
+    logs: list[Path] = field(default_factory=list)
+
+    def client(self, tenant: str = "alpha", **kw: object) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {self.keys[tenant]}"},
+            timeout=60.0,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    def start_worker(self, name: str = "w1", capacity: int = 32) -> None:
+        with open(self.data_dir / f"worker-{name}.log", "ab") as log:
+            self.worker = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "sandgate",
+                    "worker",
+                    "--server",
+                    self.url,
+                    "--name",
+                    name,
+                    "--runtime",
+                    RUNTIME,
+                    "--capacity",
+                    str(capacity),
+                    "--state-dir",
+                    str(self.state_dir),
+                ],
+                env={**os.environ, "SANDGATE_TOKEN": self.worker_token},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.wait_worker(name, connected=True)
+
+    def wait_worker(self, name: str, *, connected: bool) -> None:
+        with self.client() as c:
+
+            def ok() -> bool:
+                workers = c.get("/api/v1/workers").json()["workers"]
+                return any(w["name"] == name and w["connected"] == connected for w in workers)
+
+            wait_until(ok, what=f"worker {name} connected={connected}")
+
+    def stop_worker(self, sig: int = signal.SIGTERM) -> None:
+        if self.worker is not None and self.worker.poll() is None:
+            self.worker.send_signal(sig)
+            self.worker.wait(timeout=30)
+        self.worker = None
+
+    def stop(self) -> None:
+        self.stop_worker()
+        if self.server is not None and self.server.poll() is None:
+            self.server.send_signal(signal.SIGTERM)
+            try:
+                self.server.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+
+
+def start_deployment(base: Path, *, worker: bool = True) -> Deployment:
+    data_dir = base / "data"
+    data_dir.mkdir(parents=True)
+    db = f"sqlite:///{data_dir / 'sandgate.db'}"
+    keys = {t: sandgate("keys", "create", "--db", db, "--tenant", t) for t in ("alpha", "beta")}
+    token = sandgate("keys", "create", "--db", db, "--worker")
+    port = free_port()
+    state_dir = Path("/var/lib/sandgate-test") / uuid.uuid4().hex[:10]
+    dep = Deployment(
+        url=f"http://127.0.0.1:{port}",
+        db=db,
+        data_dir=data_dir,
+        state_dir=state_dir,
+        keys=keys,
+        worker_token=token,
+    )
+    with open(data_dir / "server.log", "ab") as log:
+        dep.server = subprocess.Popen(
+            [sys.executable, "-m", "sandgate", "server", "--db", db, "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    wait_until(lambda: httpx.get(f"{dep.url}/healthz").status_code == 200, what="server up")
+    if worker:
+        dep.start_worker()
+    return dep
+
+
+@pytest.fixture(scope="session")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    if RUNTIME == "bwrap" and (os.geteuid() != 0 or shutil.which("bwrap") is None):
+        pytest.skip("the bwrap runtime needs root and bubblewrap (apt-get install -y bubblewrap)")
+    dep = start_deployment(tmp_path_factory.mktemp("deployment"))
+    try:
+        yield dep
+    finally:
+        dep.stop()
+        shutil.rmtree(dep.state_dir, ignore_errors=True)
+        for name in ("server.log", "worker-w1.log"):
+            path = dep.data_dir / name
+            if path.exists():
+                sys.stderr.write(f"\n--- {name} (tail) ---\n")
+                sys.stderr.write("\n".join(path.read_text(errors="replace").splitlines()[-40:]))
+
+
+@pytest.fixture
+def alpha(deployment: Deployment) -> Iterator[httpx.Client]:
+    with deployment.client("alpha") as client:
+        yield client
+
+
+@pytest.fixture
+def beta(deployment: Deployment) -> Iterator[httpx.Client]:
+    with deployment.client("beta") as client:
+        yield client
+
+
+@pytest.fixture
+def sandbox(alpha: httpx.Client) -> Iterator[str]:
+    response = alpha.post("/api/v1/sandboxes", json={})
+    assert response.status_code == 201, response.text
+    name: str = response.json()["name"]
+    yield name
+    alpha.delete(f"/api/v1/sandboxes/{name}")

@@ -1,0 +1,191 @@
+"""Isolation probes run inside a real bwrap sandbox through the API."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+
+from tests.integration.api.conftest import RUNTIME, Deployment
+
+pytestmark = pytest.mark.skipif(RUNTIME != "bwrap", reason="isolation needs the bwrap runtime")
+
+
+def run(
+    client: httpx.Client, name: str, code: str, language: str = "bash", timeout: float = 30
+) -> dict:  # type: ignore[type-arg]
+    response = client.post(
+        f"/api/v1/sandboxes/{name}/execute",
+        json={"code": code, "language": language, "timeout": timeout},
+    )
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+def test_no_network(alpha: httpx.Client, sandbox: str) -> None:
+    probe = run(
+        alpha,
+        sandbox,
+        "import socket\n"
+        "for host, port in (('127.0.0.1', 5432), ('1.1.1.1', 53), ('10.0.0.1', 80)):\n"
+        "    s = socket.socket(); s.settimeout(2)\n"
+        "    try:\n        s.connect((host, port)); print('CONNECTED', host)\n"
+        "    except OSError as e:\n        print('blocked', host, e.errno)\n"
+        "import os; print(sorted(os.listdir('/sys/class/net')) if os.path.exists('/sys/class/net') else 'nosys')",
+        language="python",
+    )
+    assert "CONNECTED" not in probe["stdout"]
+    assert probe["stdout"].count("blocked") == 3
+
+
+def test_host_processes_invisible_and_hostname(alpha: httpx.Client, sandbox: str) -> None:
+    out = run(
+        alpha,
+        sandbox,
+        "ls /proc | grep -E '^[0-9]+$' | wc -l; hostname; cat /proc/1/cmdline | tr '\\0' ' '",
+    )
+    lines = out["stdout"].splitlines()
+    assert int(lines[0]) < 10  # only the sandbox's own few processes
+    assert lines[1] == sandbox
+    assert "postgres" not in run(alpha, sandbox, "ps -eo args")["stdout"]
+
+
+def test_root_is_read_only_and_workspace_writable(alpha: httpx.Client, sandbox: str) -> None:
+    out = run(
+        alpha,
+        sandbox,
+        "for f in /usr/x /etc/x /x /opt/sandgate/x /bin/x; do touch $f 2>/dev/null && echo WROTE $f; done;"
+        " touch /workspace/ok /tmp/ok && echo fine",
+    )
+    assert "WROTE" not in out["stdout"]
+    assert out["stdout"].strip().endswith("fine")
+
+
+def test_no_privileges(alpha: httpx.Client, sandbox: str) -> None:
+    status = run(
+        alpha, sandbox, "grep -E '^(Uid|CapEff|CapPrm|NoNewPrivs|Seccomp):' /proc/self/status"
+    )
+    fields = dict(line.split(":", 1) for line in status["stdout"].splitlines())
+    assert fields["CapEff"].strip() == "0000000000000000"
+    assert fields["CapPrm"].strip() == "0000000000000000"
+    assert fields["NoNewPrivs"].strip() == "1"
+    assert fields["Seccomp"].strip() == "2"
+    assert fields["Uid"].split()[0] != "0"
+    denied = run(
+        alpha,
+        sandbox,
+        "unshare -U true 2>&1 && echo USERNS; unshare -m true 2>&1 && echo MOUNTNS;"
+        " mount -t tmpfs x /tmp 2>&1 && echo MOUNTED; echo done",
+    )
+    for bad in ("USERNS", "MOUNTNS", "MOUNTED"):
+        assert bad not in denied["stdout"]
+
+
+def test_host_secrets_unreadable(alpha: httpx.Client, sandbox: str, deployment: Deployment) -> None:
+    paths = [
+        "/etc/shadow",
+        "/root",
+        "/home",
+        "/work",
+        str(deployment.data_dir),
+        str(deployment.state_dir),
+        "/var/lib/postgresql",
+        os.path.expanduser("~"),
+    ]
+    out = run(
+        alpha,
+        sandbox,
+        " ".join(f"ls -d {p} >/dev/null 2>&1 && echo VISIBLE {p};" for p in paths) + " echo end",
+    )
+    assert "VISIBLE" not in out["stdout"], out["stdout"]
+
+
+def test_other_sandbox_files_unreachable(
+    alpha: httpx.Client, beta: httpx.Client, sandbox: str, deployment: Deployment
+) -> None:
+    other = beta.post("/api/v1/sandboxes", json={}).json()["name"]
+    try:
+        run(beta, other, "echo secret-of-beta > /workspace/s.txt")
+        out = run(
+            alpha,
+            sandbox,
+            f"cat /workspace/../{other}/workspace/s.txt 2>&1; "
+            f"find / -name s.txt -not -path '/proc/*' 2>/dev/null; echo end",
+        )
+        assert "secret-of-beta" not in out["stdout"]
+    finally:
+        beta.delete(f"/api/v1/sandboxes/{other}")
+
+
+def test_proc_sys_unwritable(alpha: httpx.Client, sandbox: str) -> None:
+    out = run(
+        alpha,
+        sandbox,
+        "echo 50 > /proc/sys/vm/overcommit_ratio 2>/dev/null && echo WROTE;"
+        " echo x > /proc/sys/kernel/hostname 2>/dev/null && echo WROTE2; echo end",
+    )
+    assert "WROTE" not in out["stdout"]
+
+
+def test_memory_limit(alpha: httpx.Client, deployment: Deployment) -> None:
+    workers = alpha.get("/api/v1/workers").json()["workers"]
+    limits = next(w for w in workers if w["name"] == "w1")["features"].get("limits", {})
+    if not limits.get("memory"):
+        pytest.skip("the worker does not enforce memory limits on this host")
+    name = alpha.post("/api/v1/sandboxes", json={"resources": {"memory_mb": 128}}).json()["name"]
+    try:
+        out = run(
+            alpha,
+            name,
+            "blocks = []\nfor i in range(64):\n    blocks.append(bytearray(16 << 20))\n    print(i, flush=True)",
+            language="python",
+        )
+        assert out["exit_code"] != 0
+        assert len(out["stdout"].split()) < 12  # killed well before 1 GiB
+        assert run(alpha, name, "echo alive")["stdout"] == "alive\n"
+    finally:
+        alpha.delete(f"/api/v1/sandboxes/{name}")
+
+
+def test_pids_limit(alpha: httpx.Client) -> None:
+    workers = alpha.get("/api/v1/workers").json()["workers"]
+    if not next(w for w in workers if w["name"] == "w1")["features"].get("limits", {}).get("pids"):
+        pytest.skip("the worker does not enforce pid limits on this host")
+    name = alpha.post("/api/v1/sandboxes", json={"resources": {"pids": 32}}).json()["name"]
+    try:
+        out = run(
+            alpha,
+            name,
+            "import os, time\n"
+            "pids, refused = [], 0\n"
+            "for i in range(100):\n"
+            "    try:\n"
+            "        pid = os.fork()\n"
+            "    except BlockingIOError:\n"
+            "        refused += 1\n"
+            "        continue\n"
+            "    if pid == 0:\n"
+            "        time.sleep(30)\n"
+            "        os._exit(0)\n"
+            "    pids.append(pid)\n"
+            "print(len(pids), refused)\n"
+            "for pid in pids:\n"
+            "    os.kill(pid, 9)\n",
+            language="python",
+            timeout=20,
+        )
+        started, refused = map(int, out["stdout"].split())
+        assert started < 32, out
+        assert refused > 0, out
+    finally:
+        alpha.delete(f"/api/v1/sandboxes/{name}")
+
+
+def test_workers_report_enforced_features(alpha: httpx.Client) -> None:
+    worker = next(w for w in alpha.get("/api/v1/workers").json()["workers"] if w["name"] == "w1")
+    features = worker["features"]
+    assert features["runtime"] == "bwrap"
+    assert features["seccomp"] is True
+    assert features["user_namespace"] is True
+    assert features["network"] in ("none", "host-optional")

@@ -1,0 +1,618 @@
+"""The Store contract, run against SQLite and PostgreSQL alike."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandgate.errors import IdempotencyConflictError, StoreError
+from sandgate.store.base import (
+    ApiKey,
+    IdempotencyRecord,
+    Job,
+    JobId,
+    Sandbox,
+    SandboxFilter,
+    SandboxName,
+    SandboxState,
+    Store,
+    TenantId,
+    Worker,
+    WorkerName,
+)
+from sandgate.store.migrate import check_current, head_revision, upgrade
+from sandgate.store.sql import SqlStore, open_store
+
+pytestmark = pytest.mark.anyio
+
+T0 = datetime(2025, 3, 4, 5, 6, 7, 123456, tzinfo=UTC)
+
+
+def sandbox(
+    name: str,
+    tenant: str = "t1",
+    *,
+    state: SandboxState = "pending",
+    metadata: dict[str, str] | None = None,
+    worker: str | None = None,
+    expires_at: datetime | None = None,
+    at: datetime = T0,
+) -> Sandbox:
+    return Sandbox(
+        name=SandboxName(name),
+        tenant_id=TenantId(tenant),
+        state=state,
+        template="base",
+        timeout=300.0,
+        metadata=metadata if metadata is not None else {},
+        env={"A": "1"},
+        network=False,
+        resources={"memory_mb": 512, "cpus": 1.5, "pids": 128},
+        created_at=at,
+        updated_at=at,
+        worker=None if worker is None else WorkerName(worker),
+        expires_at=expires_at,
+    )
+
+
+def job(name: str, job_id: str | None = None) -> Job:
+    return Job(
+        id=JobId(job_id or f"job-{name}"),
+        kind="create",
+        sandbox_name=SandboxName(name),
+        state="pending",
+        request={"op": "create", "name": name, "nested": {"list": [1, 2, 3]}},
+        attempt=0,
+        created_at=T0,
+        updated_at=T0,
+    )
+
+
+def idem(tenant: str, digest: str, name: str, fingerprint: str = "f" * 64) -> IdempotencyRecord:
+    return IdempotencyRecord(
+        tenant_id=TenantId(tenant),
+        digest=digest,
+        fingerprint=fingerprint,
+        sandbox_name=SandboxName(name),
+        created_at=T0,
+    )
+
+
+async def create(store: SqlStore, sb: Sandbox, digest: str | None = None) -> None:
+    record = None if digest is None else idem(sb.tenant_id, digest, sb.name)
+    await store.insert_sandbox(sb, job(sb.name), record)
+
+
+def names(items: list[Sandbox]) -> list[str]:
+    return [s.name for s in items]
+
+
+def assert_utc(value: datetime | None) -> None:
+    assert value is not None
+    assert value.tzinfo is not None
+    assert value.utcoffset() == timedelta(0)
+
+
+async def test_sql_store_satisfies_protocol(store: SqlStore) -> None:
+    as_protocol: Store = store  # checked by mypy; at runtime just make sure it is open
+    assert await as_protocol.get_sandbox(SandboxName("nothing")) is None
+
+
+async def test_database_is_at_head(store_url: str) -> None:
+    assert await check_current(store_url) == (head_revision(), head_revision())
+    await upgrade(store_url)  # idempotent
+    assert await check_current(store_url) == (head_revision(), head_revision())
+
+
+# ------------------------------------------------------------------ tenants and keys
+
+
+async def test_tenants_and_keys_round_trip(store: SqlStore) -> None:
+    acme = await store.ensure_tenant("acme")
+    assert await store.ensure_tenant("acme") == acme
+    other = await store.ensure_tenant("other")
+    assert other.id != acme.id
+    assert await store.get_tenant(acme.id) == acme
+    assert await store.get_tenant(TenantId("missing")) is None
+    assert_utc(acme.created_at)
+
+    tenant_key = ApiKey(
+        key_hash="a" * 64, kind="tenant", tenant_id=acme.id, created_at=T0, label="ci"
+    )
+    worker_key = ApiKey(key_hash="b" * 64, kind="worker", tenant_id=None, created_at=T0)
+    await store.add_api_key(tenant_key)
+    await store.add_api_key(worker_key)
+    assert await store.find_api_key("a" * 64) == tenant_key
+    assert await store.find_api_key("b" * 64) == worker_key
+    assert await store.find_api_key("c" * 64) is None
+
+    with pytest.raises(StoreError):
+        await store.add_api_key(tenant_key)  # same hash twice
+    with pytest.raises(StoreError):
+        await store.add_api_key(replace(tenant_key, key_hash="d" * 64, tenant_id=TenantId("x")))
+    assert await store.find_api_key("d" * 64) is None
+
+
+async def test_concurrent_ensure_tenant_yields_one_tenant(store_url: str) -> None:
+    a, b = await open_store(store_url), await open_store(store_url)
+    try:
+        got = await asyncio.gather(*(s.ensure_tenant("race") for s in (a, b) * 5))
+    finally:
+        await a.aclose()
+        await b.aclose()
+    assert len({t.id for t in got}) == 1
+
+
+# ------------------------------------------------------------ create and idempotency
+
+
+async def test_insert_sandbox_writes_sandbox_job_and_idempotency(store: SqlStore) -> None:
+    sb = sandbox("sb-1", metadata={"idem": "d1", "idem_owner": "t1"})
+    await create(store, sb, digest="d1")
+
+    assert await store.get_sandbox(sb.name) == sb
+    assert await store.get_tenant_sandbox(TenantId("t1"), sb.name) == sb
+    assert await store.get_job(JobId("job-sb-1")) == job("sb-1")
+    assert await store.find_idempotency(TenantId("t1"), "d1") == idem("t1", "d1", "sb-1")
+    assert await store.find_idempotency(TenantId("t1"), "d2") is None
+    assert await store.find_idempotency(TenantId("t2"), "d1") is None
+
+
+async def test_insert_without_idempotency(store: SqlStore) -> None:
+    await create(store, sandbox("sb-plain"))
+    assert await store.get_sandbox(SandboxName("sb-plain")) is not None
+    assert await store.get_job(JobId("job-sb-plain")) is not None
+
+
+async def test_duplicate_digest_conflicts_and_writes_nothing(store: SqlStore) -> None:
+    await create(store, sandbox("first"), digest="same")
+    with pytest.raises(IdempotencyConflictError):
+        await create(store, sandbox("second"), digest="same")
+    assert await store.get_sandbox(SandboxName("second")) is None
+    assert await store.get_job(JobId("job-second")) is None
+    assert (await store.find_idempotency(TenantId("t1"), "same")) == idem("t1", "same", "first")
+
+
+async def test_same_digest_under_another_tenant_is_fine(store: SqlStore) -> None:
+    await create(store, sandbox("mine", "t1"), digest="shared")
+    await create(store, sandbox("theirs", "t2"), digest="shared")
+    first = await store.find_idempotency(TenantId("t1"), "shared")
+    second = await store.find_idempotency(TenantId("t2"), "shared")
+    assert first is not None and first.sandbox_name == "mine"
+    assert second is not None and second.sandbox_name == "theirs"
+
+
+async def test_failed_insert_rolls_back_everything(store: SqlStore) -> None:
+    await create(store, sandbox("taken"))
+    # Same sandbox name again under a fresh digest: the sandbox insert fails after the
+    # idempotency row was written in the same transaction; neither may remain.
+    with pytest.raises(StoreError) as info:
+        await store.insert_sandbox(
+            sandbox("taken"), job("taken", "job-2"), idem("t1", "fresh", "taken")
+        )
+    assert not isinstance(info.value, IdempotencyConflictError)
+    assert await store.find_idempotency(TenantId("t1"), "fresh") is None
+    assert await store.get_job(JobId("job-2")) is None
+
+
+async def test_mismatched_records_are_refused(store: SqlStore) -> None:
+    with pytest.raises(StoreError):
+        await store.insert_sandbox(sandbox("a"), job("b"), None)
+    with pytest.raises(StoreError):
+        await store.insert_sandbox(sandbox("a", "t1"), job("a"), idem("t2", "d", "a"))
+    assert await store.get_sandbox(SandboxName("a")) is None
+
+
+async def test_fifty_concurrent_creates_with_one_digest_have_one_winner(store_url: str) -> None:
+    # Two store instances on one database, as two API instances would be.
+    stores = [await open_store(store_url), await open_store(store_url)]
+    try:
+
+        async def attempt(i: int) -> str:
+            s = stores[i % 2]
+            try:
+                await create(s, sandbox(f"race-{i:02d}"), digest="one-key")
+            except IdempotencyConflictError:
+                return "conflict"
+            return "created"
+
+        outcomes = await asyncio.gather(*(attempt(i) for i in range(50)))
+        assert outcomes.count("created") == 1
+        assert outcomes.count("conflict") == 49
+
+        record = await stores[0].find_idempotency(TenantId("t1"), "one-key")
+        assert record is not None
+        winner = record.sandbox_name
+        assert outcomes[int(winner.removeprefix("race-"))] == "created"
+        listed = await stores[1].list_sandboxes(TenantId("t1"), SandboxFilter(limit=100))
+        assert names(listed) == [winner]
+        for i in range(50):
+            name = f"race-{i:02d}"
+            has_job = await stores[0].get_job(JobId(f"job-{name}")) is not None
+            assert has_job == (name == winner)
+    finally:
+        for s in stores:
+            await s.aclose()
+
+
+# ------------------------------------------------------------------------- reads
+
+
+async def test_get_tenant_sandbox_is_tenant_scoped(store: SqlStore) -> None:
+    await create(store, sandbox("owned", "t1"))
+    assert await store.get_tenant_sandbox(TenantId("t1"), SandboxName("owned")) is not None
+    assert await store.get_tenant_sandbox(TenantId("t2"), SandboxName("owned")) is None
+    assert await store.get_tenant_sandbox(TenantId("t1"), SandboxName("nope")) is None
+
+
+async def test_list_by_state_excludes_deleted_by_default(store: SqlStore) -> None:
+    states: list[SandboxState] = ["pending", "running", "stopped", "error", "deleted"]
+    for st in states:
+        await create(store, sandbox(f"s-{st}", state=st))
+    t1 = TenantId("t1")
+    assert names(await store.list_sandboxes(t1, SandboxFilter())) == [
+        "s-error",
+        "s-pending",
+        "s-running",
+        "s-stopped",
+    ]
+    only_running = await store.list_sandboxes(t1, SandboxFilter(states=("running",)))
+    assert names(only_running) == ["s-running"]
+    deleted = await store.list_sandboxes(t1, SandboxFilter(states=("deleted", "error")))
+    assert names(deleted) == ["s-deleted", "s-error"]
+    assert await store.list_sandboxes(t1, SandboxFilter(limit=0)) == []
+
+
+async def test_list_is_tenant_isolated(store: SqlStore) -> None:
+    await create(store, sandbox("a-1", "t1", metadata={"k": "v"}))
+    await create(store, sandbox("a-2", "t2", metadata={"k": "v"}))
+    await create(store, sandbox("a-3", "t2", metadata={"k": "v"}))
+    assert names(await store.list_sandboxes(TenantId("t1"), SandboxFilter())) == ["a-1"]
+    got = await store.list_sandboxes(TenantId("t2"), SandboxFilter(metadata={"k": "v"}))
+    assert names(got) == ["a-2", "a-3"]
+    assert await store.list_sandboxes(TenantId("t3"), SandboxFilter()) == []
+
+
+ODD_KEYS = [
+    "plain",
+    "with space",
+    "dotted.key",
+    "a.b.c",
+    'double"quote',
+    "single'quote",
+    "back\\slash",
+    "brackets[0]",
+    "$.dollar",
+    "*",
+    "",
+    "ünïcödé ключ",
+    "emoji 🚀",
+    "semi;colon -- comment",
+]
+
+
+@pytest.mark.parametrize("key", ODD_KEYS)
+async def test_list_metadata_filter_handles_odd_keys(store: SqlStore, key: str) -> None:
+    value = f"value of {key}!"
+    await create(store, sandbox("hit", metadata={key: value, "other": "x"}))
+    await create(store, sandbox("miss-value", metadata={key: value + " no", "other": "x"}))
+    await create(store, sandbox("miss-key", metadata={"other": "x"}))
+    await create(store, sandbox("other-tenant", "t2", metadata={key: value}))
+    got = await store.list_sandboxes(TenantId("t1"), SandboxFilter(metadata={key: value}))
+    assert names(got) == ["hit"]
+
+
+async def test_list_metadata_filters_all_must_match(store: SqlStore) -> None:
+    await create(store, sandbox("both", metadata={"idem": "d", "idem_owner": "t1"}))
+    await create(store, sandbox("one", metadata={"idem": "d", "idem_owner": "t9"}))
+    await create(store, sandbox("none", metadata={}))
+    where = SandboxFilter(metadata={"idem": "d", "idem_owner": "t1"})
+    assert names(await store.list_sandboxes(TenantId("t1"), where)) == ["both"]
+    where = SandboxFilter(metadata={"idem": "d"})
+    assert names(await store.list_sandboxes(TenantId("t1"), where)) == ["both", "one"]
+    # values are compared as strings, exactly
+    where = SandboxFilter(metadata={"idem": "D"})
+    assert await store.list_sandboxes(TenantId("t1"), where) == []
+
+
+async def test_list_cursor_paging(store: SqlStore) -> None:
+    for i in range(7):
+        await create(store, sandbox(f"p-{i}", metadata={"page": "yes"}))
+    await create(store, sandbox("p-deleted", state="deleted", metadata={"page": "yes"}))
+    await create(store, sandbox("p-other", "t2", metadata={"page": "yes"}))
+    seen: list[str] = []
+    after: SandboxName | None = None
+    pages = 0
+    while True:
+        where = SandboxFilter(metadata={"page": "yes"}, after=after, limit=3)
+        page = await store.list_sandboxes(TenantId("t1"), where)
+        if not page:
+            break
+        pages += 1
+        seen.extend(names(page))
+        after = page[-1].name
+    assert seen == [f"p-{i}" for i in range(7)]
+    assert pages == 3
+
+
+async def test_list_worker_sandboxes_and_count_live(store: SqlStore) -> None:
+    w1, w2 = WorkerName("w1"), WorkerName("w2")
+    for st in ("pending", "running", "stopped", "deleted"):
+        await create(store, sandbox(f"w1-{st}", state=st, worker="w1"))
+    await create(store, sandbox("w2-running", state="running", worker="w2"))
+    await create(store, sandbox("unassigned"))
+    got = await store.list_worker_sandboxes(w1, ("running", "stopped"))
+    assert names(got) == ["w1-running", "w1-stopped"]
+    assert names(await store.list_worker_sandboxes(w1, ())) == [
+        "w1-pending",
+        "w1-running",
+        "w1-stopped",
+    ]
+    assert await store.count_live_sandboxes(w1) == 2
+    assert await store.count_live_sandboxes(w2) == 1
+    assert await store.count_live_sandboxes(WorkerName("w3")) == 0
+
+
+async def test_list_expired(store: SqlStore) -> None:
+    now = T0 + timedelta(hours=1)
+    await create(store, sandbox("gone-early", state="running", expires_at=now - timedelta(1)))
+    await create(store, sandbox("gone-now", state="running", expires_at=now))
+    await create(store, sandbox("later", state="running", expires_at=now + timedelta(seconds=1)))
+    await create(store, sandbox("stopped", state="stopped", expires_at=now - timedelta(1)))
+    await create(store, sandbox("no-ttl", state="running"))
+    assert names(await store.list_expired(now, 10)) == ["gone-early", "gone-now"]
+    assert names(await store.list_expired(now, 1)) == ["gone-early"]
+    assert await store.list_expired(now, 0) == []
+    # the same instant written in another zone compares equal
+    other_zone = now.astimezone(timezone(timedelta(hours=-7)))
+    assert names(await store.list_expired(other_zone, 10)) == ["gone-early", "gone-now"]
+
+
+# ----------------------------------------------------------------- state moves
+
+
+async def test_mark_running_only_from_pending(store: SqlStore) -> None:
+    await create(store, sandbox("sb"))
+    name, w = SandboxName("sb"), WorkerName("w1")
+    started, expires = T0 + timedelta(seconds=5), T0 + timedelta(seconds=305)
+    assert await store.mark_running(name, w, started, expires) is True
+    got = await store.get_sandbox(name)
+    assert got is not None
+    assert (got.state, got.worker, got.started_at, got.expires_at) == (
+        "running",
+        "w1",
+        started,
+        expires,
+    )
+    assert got.updated_at == started
+    assert await store.mark_running(name, w, started, expires) is False  # already running
+    assert await store.mark_running(SandboxName("missing"), w, started, expires) is False
+
+
+async def test_deleted_sandbox_cannot_be_marked_running(store: SqlStore) -> None:
+    await create(store, sandbox("sb"))
+    name = SandboxName("sb")
+    now = T0 + timedelta(seconds=1)
+    assert await store.set_sandbox_state(name, "deleted", from_states=("pending",), now=now)
+    late = T0 + timedelta(seconds=9)
+    assert await store.mark_running(name, WorkerName("w1"), late, late) is False
+    got = await store.get_sandbox(name)
+    assert got is not None and got.state == "deleted" and got.worker is None
+
+
+async def test_set_sandbox_state_respects_from_states(store: SqlStore) -> None:
+    await create(store, sandbox("sb", state="running"))
+    name = SandboxName("sb")
+    t1, t2, t3 = (T0 + timedelta(minutes=i) for i in (1, 2, 3))
+    assert not await store.set_sandbox_state(name, "stopped", from_states=("pending",), now=t1)
+    assert not await store.set_sandbox_state(name, "stopped", from_states=(), now=t1)
+    got = await store.get_sandbox(name)
+    assert got is not None and got.state == "running" and got.updated_at == T0
+
+    assert await store.set_sandbox_state(
+        name, "error", from_states=("pending", "running"), error="boom", now=t2
+    )
+    got = await store.get_sandbox(name)
+    assert got is not None
+    assert (got.state, got.error, got.updated_at) == ("error", "boom", t2)
+
+    # without an error argument the recorded error is kept
+    assert await store.set_sandbox_state(name, "deleted", from_states=("error",), now=t3)
+    got = await store.get_sandbox(name)
+    assert got is not None and (got.state, got.error) == ("deleted", "boom")
+    assert not await store.set_sandbox_state(
+        SandboxName("missing"), "deleted", from_states=("running",), now=t3
+    )
+
+
+async def test_set_expiry_only_while_running(store: SqlStore) -> None:
+    await create(store, sandbox("run", state="running", expires_at=T0))
+    await create(store, sandbox("stop", state="stopped", expires_at=T0))
+    later, now = T0 + timedelta(hours=2), T0 + timedelta(minutes=1)
+    assert await store.set_expiry(SandboxName("run"), later, now) is True
+    assert await store.set_expiry(SandboxName("stop"), later, now) is False
+    run = await store.get_sandbox(SandboxName("run"))
+    stop = await store.get_sandbox(SandboxName("stop"))
+    assert run is not None and run.expires_at == later and run.updated_at == now
+    assert stop is not None and stop.expires_at == T0
+
+
+async def test_assign_worker_only_while_pending(store: SqlStore) -> None:
+    await create(store, sandbox("pend"))
+    await create(store, sandbox("run", state="running", worker="w1"))
+    now = T0 + timedelta(seconds=3)
+    await store.assign_worker(SandboxName("pend"), WorkerName("w2"), now)
+    await store.assign_worker(SandboxName("run"), WorkerName("w2"), now)
+    pend = await store.get_sandbox(SandboxName("pend"))
+    run = await store.get_sandbox(SandboxName("run"))
+    assert pend is not None and pend.worker == "w2" and pend.updated_at == now
+    assert run is not None and run.worker == "w1"
+
+
+# ------------------------------------------------------------------------- jobs
+
+
+async def test_finish_job_only_from_pending(store: SqlStore) -> None:
+    await create(store, sandbox("sb"))
+    job_id = JobId("job-sb")
+    now = T0 + timedelta(seconds=2)
+    assert await store.finish_job(job_id, "completed", now=now) is True
+    assert await store.finish_job(job_id, "failed", error="late", now=now) is False
+    got = await store.get_job(job_id)
+    assert got is not None
+    assert (got.state, got.error, got.updated_at) == ("completed", None, now)
+    assert await store.finish_job(JobId("missing"), "completed", now=now) is False
+    assert await store.get_job(JobId("missing")) is None
+
+
+async def test_fail_sandbox_jobs_marks_pending_jobs_failed(store: SqlStore) -> None:
+    await create(store, sandbox("sb"))
+    await create(store, sandbox("other"))
+    now = T0 + timedelta(seconds=4)
+    assert await store.fail_sandbox_jobs(SandboxName("sb"), "sandbox deleted", now) == 1
+    assert await store.fail_sandbox_jobs(SandboxName("sb"), "again", now) == 0
+    failed = await store.get_job(JobId("job-sb"))
+    untouched = await store.get_job(JobId("job-other"))
+    assert failed is not None
+    assert (failed.state, failed.error, failed.updated_at) == ("failed", "sandbox deleted", now)
+    assert untouched is not None and untouched.state == "pending"
+    assert await store.finish_job(JobId("job-sb"), "completed", now=now) is False
+
+
+# ---------------------------------------------------------------------- workers
+
+
+async def test_workers_upsert_and_list(store: SqlStore) -> None:
+    w = Worker(
+        name=WorkerName("w-b"),
+        capacity=4,
+        features={"network": True, "runtimes": ["bwrap"]},
+        connected=True,
+        last_seen_at=T0,
+        node_url="http://10.0.0.1:8080",
+    )
+    await store.upsert_worker(w)
+    await store.upsert_worker(replace(w, name=WorkerName("w-a"), node_url=None))
+    changed = replace(w, capacity=8, features={}, last_seen_at=T0 + timedelta(seconds=1))
+    await store.upsert_worker(changed)
+    assert await store.list_workers() == [replace(w, name=WorkerName("w-a"), node_url=None), changed]
+
+    seen = T0 + timedelta(seconds=30)
+    await store.set_worker_connected(WorkerName("w-b"), False, seen)
+    await store.set_worker_connected(WorkerName("nobody"), True, seen)  # no such worker: no-op
+    workers = {x.name: x for x in await store.list_workers()}
+    assert set(workers) == {"w-a", "w-b"}
+    assert workers[WorkerName("w-b")].connected is False
+    assert workers[WorkerName("w-b")].last_seen_at == seen
+
+
+# ---------------------------------------------------------------------- tunnels
+
+
+async def test_tunnel_claim_owner_release(store: SqlStore) -> None:
+    assert await store.tunnel_owner("w1") is None
+    await store.claim_tunnel("w1", "http://a:8000", T0)
+    assert await store.tunnel_owner("w1") == ("http://a:8000", T0)
+    renewed = T0 + timedelta(seconds=15)
+    await store.claim_tunnel("w1", "http://a:8000", renewed)
+    assert await store.tunnel_owner("w1") == ("http://a:8000", renewed)
+    moved = T0 + timedelta(seconds=20)
+    await store.claim_tunnel("w1", "http://b:8000", moved)
+    assert await store.tunnel_owner("w1") == ("http://b:8000", moved)
+
+    await store.release_tunnel("w1", "http://a:8000")  # a no longer owns it: no effect
+    assert await store.tunnel_owner("w1") == ("http://b:8000", moved)
+    await store.release_tunnel("w1", "http://b:8000")
+    assert await store.tunnel_owner("w1") is None
+    await store.release_tunnel("w1", "http://b:8000")  # releasing twice is harmless
+
+
+# -------------------------------------------------------------------- datetimes
+
+
+async def test_datetimes_round_trip_as_aware_utc(store: SqlStore) -> None:
+    plus_two = timezone(timedelta(hours=2))
+    local = datetime(2025, 6, 30, 23, 59, 59, 999999, tzinfo=plus_two)
+    sb = replace(sandbox("tz", state="running"), created_at=local, updated_at=local)
+    sb = replace(sb, started_at=local, expires_at=local + timedelta(days=1))
+    await create(store, sb)
+    got = await store.get_sandbox(SandboxName("tz"))
+    assert got is not None
+    for value, original in [
+        (got.created_at, local),
+        (got.updated_at, local),
+        (got.started_at, local),
+        (got.expires_at, local + timedelta(days=1)),
+    ]:
+        assert_utc(value)
+        assert value == original
+        assert value.astimezone(UTC).replace(tzinfo=None) == original.astimezone(UTC).replace(
+            tzinfo=None
+        )
+    assert got.created_at.hour == 21  # 23:59 at +02:00
+
+    job_got = await store.get_job(JobId("job-tz"))
+    assert job_got is not None
+    assert_utc(job_got.created_at)
+    await store.claim_tunnel("k", "http://n", local)
+    owner = await store.tunnel_owner("k")
+    assert owner is not None
+    assert_utc(owner[1])
+    assert owner[1] == local
+
+
+async def test_naive_datetime_is_refused(store: SqlStore) -> None:
+    naive = datetime(2025, 1, 1, 12, 0, 0)
+    with pytest.raises(StoreError):
+        await store.claim_tunnel("k", "http://n", naive)
+    with pytest.raises(StoreError):
+        await create(store, replace(sandbox("naive"), created_at=naive))
+    assert await store.get_sandbox(SandboxName("naive")) is None
+
+
+async def test_json_columns_round_trip(store: SqlStore) -> None:
+    payload: dict[str, Any] = {
+        "text": "ünïcödé \"quoted\" \\ back",
+        "n": 1,
+        "f": 2.5,
+        "list": [1, "two", None, True],
+        "nested": {"deep": {"er": []}},
+    }
+    j = replace(job("js"), request=payload)
+    sb = replace(sandbox("js"), resources=payload, env={"PATH": "/bin:/usr/bin", "Q": '"'})
+    await store.insert_sandbox(sb, j, None)
+    assert await store.get_sandbox(SandboxName("js")) == sb
+    assert await store.get_job(JobId("job-js")) == j
+
+
+# ---------------------------------------------------------------------- failures
+
+
+async def test_driver_failures_surface_as_store_error(tmp_path: Path) -> None:
+    unmigrated = await open_store(f"sqlite:///{tmp_path / 'empty.db'}")
+    try:
+        with pytest.raises(StoreError):
+            await unmigrated.get_tenant(TenantId("x"))
+        with pytest.raises(StoreError):
+            await unmigrated.claim_tunnel("k", "http://n", T0)
+    finally:
+        await unmigrated.aclose()
+    unreachable = await open_store(f"sqlite:///{tmp_path / 'missing-dir' / 'x.db'}")
+    try:
+        with pytest.raises(StoreError):
+            await unreachable.find_api_key("a" * 64)
+    finally:
+        await unreachable.aclose()
+
+
+async def test_unique_names_across_many_creates(store: SqlStore) -> None:
+    created = [f"bulk-{uuid.uuid4().hex[:8]}" for _ in range(20)]
+    await asyncio.gather(*(create(store, sandbox(n), digest=n) for n in created))
+    got = await store.list_sandboxes(TenantId("t1"), SandboxFilter(limit=100))
+    assert names(got) == sorted(created)
