@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from types import MappingProxyType
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,7 +15,7 @@ from sandgate import errors as e
 
 log = logging.getLogger(__name__)
 
-_STATUS: list[tuple[type[e.SandgateError], int]] = [
+_STATUS: tuple[tuple[type[e.SandgateError], int], ...] = (
     (e.IdempotencyMismatchError, 422),
     (e.NetworkUnavailableError, 422),
     (e.PathOutsideSandboxError, 403),
@@ -27,17 +28,19 @@ _STATUS: list[tuple[type[e.SandgateError], int]] = [
     (e.SandboxTimeoutError, 504),
     (e.WorkerError, 502),
     (e.StoreError, 503),
-]
+)
 
-_HTTP_CODES = {
-    400: "bad_request",
-    401: "unauthorized",
-    403: "forbidden",
-    404: "not_found",
-    405: "method_not_allowed",
-    413: "payload_too_large",
-    415: "unsupported_media_type",
-}
+_HTTP_CODES = MappingProxyType(
+    {
+        400: "bad_request",
+        401: "unauthorized",
+        403: "forbidden",
+        404: "not_found",
+        405: "method_not_allowed",
+        413: "payload_too_large",
+        415: "unsupported_media_type",
+    }
+)
 
 
 def status_of(exc: e.SandgateError) -> int:

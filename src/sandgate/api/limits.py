@@ -10,7 +10,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 class BodyLimit:
     """Refuse bodies over `max_bytes` with 413, except on paths that stream (file uploads)."""
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int, streaming_suffixes: tuple[str, ...]) -> None:
+    def __init__(
+        self, app: ASGIApp, *, max_bytes: int, streaming_suffixes: tuple[str, ...]
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.streaming_suffixes = streaming_suffixes
@@ -63,7 +65,10 @@ async def _reject(send: Send, status: int, code: str, message: str) -> None:
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
         }
     )
     await send({"type": "http.response.body", "body": body})

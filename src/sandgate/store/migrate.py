@@ -107,6 +107,10 @@ async def upgrade(url: str) -> None:
                     text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK}
                 )
             await conn.run_sync(_upgrade_sync, cfg)
+        if db_file is not None:
+            # WAL sticks to the file; set it here, while nothing else has the file open.
+            async with engine.connect() as conn:
+                await conn.exec_driver_sql("PRAGMA journal_mode=WAL")
     finally:
         await engine.dispose()
 

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import sqlite3
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Final, ParamSpec, TypeVar, cast
 
 import asyncpg
@@ -726,8 +728,14 @@ class SqlStore:
 def _sqlite_on_connect(dbapi_connection: Any, _connection_record: Any) -> None:
     cursor = dbapi_connection.cursor()
     try:
-        cursor.execute("PRAGMA busy_timeout=5000")  # first: WAL switch may wait for a lock
-        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA busy_timeout=5000")
+        # WAL is a property of the file and sticks once set (`migrate.upgrade` sets it).
+        # Switching needs an exclusive lock that fails at once, without waiting, while
+        # other connections are open, so only switch when the file is not in WAL yet.
+        cursor.execute("PRAGMA journal_mode")
+        row = cursor.fetchone()
+        if row is None or str(row[0]).lower() != "wal":
+            cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
     finally:
@@ -738,6 +746,10 @@ async def open_store(url: str) -> SqlStore:
     """Open (not migrate) the store at `url`. See `migrate.async_url` for URL forms."""
     target = async_url(url)
     if target.get_backend_name() == "sqlite":
+        db_file = Path(os.path.expanduser(target.database or ""))
+        if not db_file.is_file():
+            # Never create an empty database by opening it: that is `migrate`'s job.
+            raise StoreError(f"no SQLite database at {db_file}; run `sandgate migrate` first")
         # aiosqlite: one thread per connection. WAL lets readers run beside the writer;
         # writers queue on busy_timeout. (In-memory SQLite is refused by async_url.)
         engine = create_async_engine(

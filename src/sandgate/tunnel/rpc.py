@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from sandgate.agent.frames import Header, encode, error_header
@@ -32,17 +33,19 @@ Handler = Callable[[Header, bytes], Awaitable[tuple[Header, bytes]]]
 EventHandler = Callable[[Header, bytes], Awaitable[None]]
 
 # Error codes a peer may answer with, and the domain error each becomes here.
-_REMOTE_ERRORS: dict[str, type[SandgateError]] = {
-    "not_found": NotFoundError,
-    "path_outside_sandbox": PathOutsideSandboxError,
-    "invalid_request": InvalidRequestError,
-    "exists": ConflictError,
-    "not_a_directory": ConflictError,
-    "is_a_directory": ConflictError,
-    "directory_not_empty": ConflictError,
-    "permission_denied": PathOutsideSandboxError,
-    "network_unavailable": InvalidRequestError,
-}
+_REMOTE_ERRORS: Mapping[str, type[SandgateError]] = MappingProxyType(
+    {
+        "not_found": NotFoundError,
+        "path_outside_sandbox": PathOutsideSandboxError,
+        "invalid_request": InvalidRequestError,
+        "exists": ConflictError,
+        "not_a_directory": ConflictError,
+        "is_a_directory": ConflictError,
+        "directory_not_empty": ConflictError,
+        "permission_denied": PathOutsideSandboxError,
+        "network_unavailable": InvalidRequestError,
+    }
+)
 
 
 class LinkClosedError(TunnelUnavailableError):
@@ -166,7 +169,10 @@ class RpcChannel:
             response, body = error_header(request_id, exc.code, exc.message), b""
         except Exception as exc:
             log.exception("rpc.handler_failed", extra={"link": self.name, "op": header.get("op")})
-            response, body = error_header(request_id, "worker_error", f"{type(exc).__name__}: {exc}"), b""
+            response, body = (
+                error_header(request_id, "worker_error", f"{type(exc).__name__}: {exc}"),
+                b"",
+            )
         try:
             await self.send_frame(response, body)
         except SandgateError:
@@ -177,4 +183,6 @@ class RpcChannel:
         try:
             await self._on_event(header, payload)
         except Exception:
-            log.exception("rpc.event_failed", extra={"link": self.name, "event": header.get("event")})
+            log.exception(
+                "rpc.event_failed", extra={"link": self.name, "event": header.get("event")}
+            )

@@ -595,6 +595,7 @@ async def test_json_columns_round_trip(store: SqlStore) -> None:
 
 
 async def test_driver_failures_surface_as_store_error(tmp_path: Path) -> None:
+    (tmp_path / "empty.db").touch()
     unmigrated = await open_store(f"sqlite:///{tmp_path / 'empty.db'}")
     try:
         with pytest.raises(StoreError):
@@ -603,12 +604,11 @@ async def test_driver_failures_surface_as_store_error(tmp_path: Path) -> None:
             await unmigrated.claim_tunnel("k", "http://n", T0)
     finally:
         await unmigrated.aclose()
-    unreachable = await open_store(f"sqlite:///{tmp_path / 'missing-dir' / 'x.db'}")
-    try:
-        with pytest.raises(StoreError):
-            await unreachable.find_api_key("a" * 64)
-    finally:
-        await unreachable.aclose()
+    with pytest.raises(StoreError):
+        await open_store(f"sqlite:///{tmp_path / 'missing-dir' / 'x.db'}")
+    with pytest.raises(StoreError):
+        await open_store(f"sqlite:///{tmp_path / 'never-migrated.db'}")
+    assert not (tmp_path / "never-migrated.db").exists()
 
 
 async def test_unique_names_across_many_creates(store: SqlStore) -> None:

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 
 from sandgate.api.deps import Services, services, tenant
-from sandgate.api.routes.sandboxes import ERRORS
+from sandgate.api.routes.sandboxes import error_docs
 from sandgate.api.schemas import FileEntry, FileList, MakeDir, Move
 from sandgate.errors import PayloadTooLargeError, SandgateError
 from sandgate.store.base import TenantId
@@ -26,7 +26,7 @@ Svc = Annotated[Services, Depends(services)]
 PathQuery = Annotated[str, Query(min_length=1, max_length=4096)]
 
 
-@router.put("", response_model=FileEntry, responses=ERRORS)
+@router.put("", response_model=FileEntry, responses=error_docs())
 async def upload(name: str, path: PathQuery, request: Request, who: Tenant, svc: Svc) -> Any:
     call = svc.sandboxes.agent_call
     reply, _ = await call(who, name, {"op": "open_write", "path": path})
@@ -65,7 +65,7 @@ async def _discard(svc: Services, who: TenantId, name: str, handle: str) -> None
         pass  # the agent closes idle handles itself
 
 
-@router.get("", responses={**ERRORS, 200: {"content": {"application/octet-stream": {}}}})
+@router.get("", responses={**error_docs(), 200: {"content": {"application/octet-stream": {}}}})
 async def download(name: str, path: PathQuery, who: Tenant, svc: Svc) -> StreamingResponse:
     call = svc.sandboxes.agent_call
     reply, _ = await call(who, name, {"op": "open_read", "path": path})
@@ -104,7 +104,7 @@ async def _close_read(svc: Services, who: TenantId, name: str, handle: str) -> N
         pass
 
 
-@router.delete("", status_code=204, responses=ERRORS)
+@router.delete("", status_code=204, responses=error_docs())
 async def remove(
     name: str,
     path: PathQuery,
@@ -112,29 +112,31 @@ async def remove(
     svc: Svc,
     recursive: bool = False,
 ) -> None:
-    await svc.sandboxes.agent_call(who, name, {"op": "remove", "path": path, "recursive": recursive})
+    await svc.sandboxes.agent_call(
+        who, name, {"op": "remove", "path": path, "recursive": recursive}
+    )
 
 
-@router.get("/list", response_model=FileList, responses=ERRORS)
+@router.get("/list", response_model=FileList, responses=error_docs())
 async def list_dir(name: str, who: Tenant, svc: Svc, path: PathQuery = "/workspace") -> Any:
     reply, _ = await svc.sandboxes.agent_call(who, name, {"op": "list", "path": path})
     return {"entries": reply["entries"]}
 
 
-@router.get("/stat", response_model=FileEntry, responses=ERRORS)
+@router.get("/stat", response_model=FileEntry, responses=error_docs())
 async def stat(name: str, path: PathQuery, who: Tenant, svc: Svc) -> Any:
     reply, _ = await svc.sandboxes.agent_call(who, name, {"op": "stat", "path": path})
     return reply["entry"]
 
 
-@router.post("/mkdir", response_model=FileEntry, status_code=201, responses=ERRORS)
+@router.post("/mkdir", response_model=FileEntry, status_code=201, responses=error_docs())
 async def mkdir(name: str, body: MakeDir, who: Tenant, svc: Svc) -> Any:
     call = {"op": "mkdir", "path": body.path, "parents": body.parents}
     reply, _ = await svc.sandboxes.agent_call(who, name, call)
     return reply["entry"]
 
 
-@router.post("/move", response_model=FileEntry, responses=ERRORS)
+@router.post("/move", response_model=FileEntry, responses=error_docs())
 async def move(name: str, body: Move, who: Tenant, svc: Svc) -> Any:
     call = {"op": "move", "src": body.source, "dst": body.destination, "overwrite": body.overwrite}
     reply, _ = await svc.sandboxes.agent_call(who, name, call)

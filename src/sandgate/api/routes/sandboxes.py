@@ -26,9 +26,14 @@ router = APIRouter(prefix="/api/v1", tags=["sandboxes"])
 Tenant = Annotated[TenantId, Depends(tenant)]
 Svc = Annotated[Services, Depends(services)]
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    s: {"model": ErrorOut} for s in (400, 401, 404, 409, 413, 422, 503, 504)
-}
+ERROR_STATUSES = (400, 401, 403, 404, 409, 413, 422, 502, 503, 504)
+
+
+def error_docs() -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for the error statuses every route may answer."""
+    return {status: {"model": ErrorOut} for status in ERROR_STATUSES}
+
+
 STATES = ("pending", "running", "stopped", "error", "deleted")
 
 
@@ -49,7 +54,7 @@ def sandbox_out(sandbox: Sandbox) -> dict[str, Any]:
     ).model_dump(mode="json")
 
 
-@router.post("/sandboxes", status_code=201, response_model=SandboxOut, responses=ERRORS)
+@router.post("/sandboxes", status_code=201, response_model=SandboxOut, responses=error_docs())
 async def create_sandbox(
     body: CreateSandbox,
     who: Tenant,
@@ -76,7 +81,7 @@ async def create_sandbox(
     return JSONResponse(sandbox_out(result.sandbox), status_code=201)
 
 
-@router.get("/sandboxes", response_model=SandboxList, responses=ERRORS)
+@router.get("/sandboxes", response_model=SandboxList, responses=error_docs())
 async def list_sandboxes(
     request: Request,
     who: Tenant,
@@ -90,14 +95,19 @@ async def list_sandboxes(
         states = tuple(s.strip() for s in state.split(",") if s.strip())
         unknown = [s for s in states if s not in STATES]
         if unknown:
-            raise InvalidRequestError(f"unknown state {unknown[0]!r}; use one of {', '.join(STATES)}")
+            raise InvalidRequestError(
+                f"unknown state {unknown[0]!r}; use one of {', '.join(STATES)}"
+            )
     metadata = {
         key.removeprefix("metadata."): value
         for key, value in request.query_params.items()
         if key.startswith("metadata.") and len(key) > len("metadata.")
     }
     where = SandboxFilter(
-        states=states, metadata=metadata, after=SandboxName(cursor) if cursor else None, limit=limit + 1
+        states=states,
+        metadata=metadata,
+        after=SandboxName(cursor) if cursor else None,
+        limit=limit + 1,
     )
     found = await svc.sandboxes.list(who, where)
     page = found[:limit]
@@ -105,18 +115,18 @@ async def list_sandboxes(
     return {"sandboxes": [sandbox_out(s) for s in page], "next_cursor": next_cursor}
 
 
-@router.get("/sandboxes/{name}", response_model=SandboxOut, responses=ERRORS)
+@router.get("/sandboxes/{name}", response_model=SandboxOut, responses=error_docs())
 async def get_sandbox(name: str, who: Tenant, svc: Svc) -> dict[str, Any]:
     return sandbox_out(await svc.sandboxes.get(who, name))
 
 
-@router.delete("/sandboxes/{name}", status_code=204, responses=ERRORS)
+@router.delete("/sandboxes/{name}", status_code=204, responses=error_docs())
 async def delete_sandbox(name: str, who: Tenant, svc: Svc) -> Response:
     await svc.sandboxes.delete(who, name)
     return Response(status_code=204)
 
 
-@router.post("/sandboxes/{name}/timeout", response_model=SandboxOut, responses=ERRORS)
+@router.post("/sandboxes/{name}/timeout", response_model=SandboxOut, responses=error_docs())
 async def extend_timeout(name: str, body: ExtendTimeout, who: Tenant, svc: Svc) -> dict[str, Any]:
     if body.timeout > svc.settings.max_timeout:
         raise InvalidRequestError(f"timeout is at most {svc.settings.max_timeout:g} seconds")
@@ -139,13 +149,13 @@ async def _execute(name: str, body: Execute, who: TenantId, svc: Services) -> di
     return {k: reply.get(k) for k in ExecuteOut.model_fields if k in reply}
 
 
-@router.post("/sandboxes/execute", response_model=ExecuteOut, responses=ERRORS)
+@router.post("/sandboxes/execute", response_model=ExecuteOut, responses=error_docs())
 async def execute_by_query(
     body: Execute, who: Tenant, svc: Svc, sandbox: Annotated[str, Query(min_length=1)]
 ) -> dict[str, Any]:
     return await _execute(sandbox, body, who, svc)
 
 
-@router.post("/sandboxes/{name}/execute", response_model=ExecuteOut, responses=ERRORS)
+@router.post("/sandboxes/{name}/execute", response_model=ExecuteOut, responses=error_docs())
 async def execute(name: str, body: Execute, who: Tenant, svc: Svc) -> dict[str, Any]:
     return await _execute(name, body, who, svc)

@@ -49,8 +49,11 @@ async def readyz(svc: Svc) -> JSONResponse:
         await svc.store.list_workers()
     except Exception as exc:
         problems.append(f"store: {exc}")
-    body = {"status": "ok" if not problems else "degraded", "problems": problems,
-            "tunnels": len(svc.state.tunnels)}
+    body = {
+        "status": "ok" if not problems else "degraded",
+        "problems": problems,
+        "tunnels": len(svc.state.tunnels),
+    }
     return JSONResponse(body, status_code=200 if not problems else 503)
 
 

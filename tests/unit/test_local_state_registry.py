@@ -1,0 +1,105 @@
+"""Every piece of in-process state has its row in `sandgate.local_state.STATE_TABLE`.
+
+Walks the package with `ast`: module-level and class-level mutable containers, locks and
+futures are refused outright (they belong in `local_state.py`); mutable containers that an
+object keeps on `self` must be named in the table, with what happens under N instances.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from sandgate.local_state import STATE_TABLE, registered_fields, state_table_markdown
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "sandgate"
+
+MUTABLE_CALLS = {
+    "dict", "list", "set", "bytearray", "defaultdict", "OrderedDict", "Counter", "deque",
+    "Lock", "RLock", "Event", "Semaphore", "BoundedSemaphore", "Condition", "Queue",
+    "WeakValueDictionary", "WeakKeyDictionary", "WeakSet", "create_future", "Future", "field",
+}
+
+
+def is_mutable(node: ast.expr | None) -> bool:
+    if node is None:
+        return False
+    if isinstance(node, ast.Dict | ast.List | ast.Set | ast.DictComp | ast.ListComp | ast.SetComp):
+        return True
+    if isinstance(node, ast.Call):
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        return name in MUTABLE_CALLS
+    return False
+
+
+def module_and_class_state() -> list[str]:
+    found = []
+    for path in SRC.rglob("*.py"):
+        if path.name == "local_state.py":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        scopes: list[tuple[str, list[ast.stmt]]] = [("", tree.body)]
+        scopes += [(f"{n.name}.", n.body) for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+        for prefix, body in scopes:
+            for stmt in body:
+                value = stmt.value if isinstance(stmt, ast.Assign | ast.AnnAssign) else None
+                if is_mutable(value):
+                    line = getattr(stmt, "lineno", 0)
+                    found.append(f"{path.relative_to(SRC)}:{line} {prefix}")
+    return found
+
+
+def instance_state() -> set[str]:
+    found = set()
+    for path in SRC.rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                if not isinstance(node, ast.Assign | ast.AnnAssign):
+                    continue
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if (
+                        isinstance(target, ast.Attribute)
+                        and isinstance(target.value, ast.Name)
+                        and target.value.id == "self"
+                        and is_mutable(node.value)
+                    ):
+                        found.add(f"{cls.name}.{target.attr}")
+    return found
+
+
+def test_no_module_or_class_level_mutable_state() -> None:
+    dataclass_fields_ok = {"sandgate/local_state.py"}
+    offenders = [f for f in module_and_class_state() if f.split(":")[0] not in dataclass_fields_ok]
+    # dataclass `field(default_factory=...)` on frozen records is per-object, not shared state
+    offenders = [f for f in offenders if not _is_dataclass_field(f)]
+    assert offenders == [], f"mutable module/class state outside local_state.py: {offenders}"
+
+
+def _is_dataclass_field(location: str) -> bool:
+    path, rest = location.split(":", 1)
+    line = int(rest.split()[0])
+    source = (SRC / path).read_text().splitlines()[line - 1]
+    return "field(default_factory=" in source
+
+
+def test_every_instance_state_has_a_row() -> None:
+    missing = sorted(instance_state() - set(STATE_TABLE))
+    assert missing == [], f"add a STATE_TABLE row (what, bound, under N instances) for: {missing}"
+
+
+def test_every_registered_field_has_a_row() -> None:
+    assert set(registered_fields()) <= set(STATE_TABLE)
+
+
+def test_no_stale_rows() -> None:
+    known = instance_state() | set(registered_fields())
+    assert sorted(set(STATE_TABLE) - known) == []
+
+
+def test_table_renders() -> None:
+    table = state_table_markdown()
+    for name in STATE_TABLE:
+        assert f"`{name}`" in table
