@@ -90,10 +90,10 @@ async def baseline_agent(runtime_name: str, n: int, state_dir: Path) -> list[flo
         times = []
         for i in range(n + 20):
             start = time.perf_counter()
-            reply, _ = await link.channel.call(
+            reply, output = await link.channel.call(
                 "exec", language="bash", code="echo ok", timeout=10, env={}, cwd="/workspace"
             )
-            assert reply["stdout"] == "ok\n", reply
+            assert output == b"ok\n" and reply["stdout_bytes"] == 3, reply
             if i >= 20:
                 times.append((time.perf_counter() - start) * 1000)
         return times

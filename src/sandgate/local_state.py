@@ -85,6 +85,62 @@ STATE_TABLE: dict[str, StateRow] = {
         "the worker's capacity",
         "per-process by nature; a redelivered create of the same name waits for the first",
     ),
+    # state objects keep on `self`, found by the registry test; each lives and dies with its owner
+    "RpcChannel._pending": StateRow(
+        "calls waiting for their answer on one link",
+        "the calls in flight on that link",
+        "per-process by nature: a link is one process's connection; all fail when it closes",
+    ),
+    "RpcChannel._running": StateRow(
+        "requests from the peer being handled on one link",
+        "the requests in flight on that link",
+        "per-process by nature; cancelled when the link closes",
+    ),
+    "RpcChannel._send_lock": StateRow(
+        "serialises frames written to one link", "one lock per link", "per-process by nature"
+    ),
+    "FrameDecoder._buffer": StateRow(
+        "bytes of a frame not yet complete on a pipe",
+        "one frame (header 1 MiB + payload 8 MiB)",
+        "per-process by nature",
+    ),
+    "AgentLink._buffered": StateRow(
+        "frames decoded from an agent's pipe, not yet dispatched",
+        "one read (64 KiB) worth of frames",
+        "per-process by nature: the agent is this worker's child",
+    ),
+    "AgentLink.ready": StateRow(
+        "set when the sandbox's agent reported ready", "one event per sandbox", "per-process by nature"
+    ),
+    "AgentLink.ready_info": StateRow(
+        "the agent's ready event (pid, version)", "one small dict per sandbox", "per-process by nature"
+    ),
+    "TunnelClient.connected": StateRow(
+        "whether the worker's tunnel is up", "one event per worker", "per-process by nature"
+    ),
+    "UidPool._held": StateRow(
+        "host uids leased to this worker's sandboxes (flock held on a file per uid)",
+        "the worker's uid range",
+        "exact across processes on one host: the flock is the lease, released when we die",
+    ),
+    "BwrapRuntime._limits": StateRow(
+        "which cgroup limits this host can enforce, found at prepare", "3 flags", "per-host facts"
+    ),
+    "BwrapRuntime._root_args": StateRow(
+        "bwrap arguments building the read-only root, computed at prepare",
+        "a few dozen strings",
+        "per-host facts",
+    ),
+    "BwrapRuntime._etc_args": StateRow(
+        "bwrap arguments binding the minimal /etc, computed at prepare",
+        "a few dozen strings",
+        "per-host facts",
+    ),
+    "agent": StateRow(
+        "the in-sandbox agent's open file handles, running exec groups, interpreter paths",
+        "64 handles; the sandbox's processes",
+        "per-sandbox by nature: one agent process per sandbox, gone with it",
+    ),
 }
 
 

@@ -47,7 +47,6 @@ MAX_READ_LENGTH = 4 << 20
 MAX_HANDLES = 64
 HANDLE_IDLE_SECONDS = 300.0
 # Room left in a response header for everything but exec's stdout and stderr.
-HEADER_SLACK = 4096
 
 Header = dict[str, Any]
 
@@ -545,27 +544,6 @@ class _Capture:
             chunk = chunk[:room]
         self.data += chunk
 
-    def text(self) -> str:
-        data = bytes(self.data)
-        if self.truncated:
-            data = _trim_partial_utf8(data)
-        return data.decode("utf-8", "replace")
-
-
-def _trim_partial_utf8(data: bytes) -> bytes:
-    """Drop a multi-byte UTF-8 sequence that the cap cut in two."""
-    for back in range(1, min(4, len(data)) + 1):
-        byte = data[-back]
-        if byte & 0xC0 == 0x80:  # continuation byte: keep looking for the lead byte
-            continue
-        if byte >= 0xC0:
-            needed = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
-            if needed > back:
-                return data[:-back]
-        break
-    return data
-
-
 def _which(name: str) -> str:
     found = _which_cache.get(name)
     if found is None:
@@ -625,7 +603,7 @@ def op_exec(req: Header, payload: bytes) -> tuple[Header, bytes]:
     env = _exec_env(req)
     cwd = _exec_cwd(req)
     argv = [_which(interpreter[0]), interpreter[1], code]
-    return _run(argv, cwd, env, timeout), b""
+    return _run(argv, cwd, env, timeout)
 
 
 def _spawn(argv: list[str], cwd: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -664,7 +642,7 @@ def _killpg(pgid: int) -> None:
         pass
 
 
-def _run(argv: list[str], cwd: str, env: dict[str, str], timeout: float) -> Header:
+def _run(argv: list[str], cwd: str, env: dict[str, str], timeout: float) -> tuple[Header, bytes]:
     started = time.monotonic()
     proc = _spawn(argv, cwd, env)
     out, err = _Capture(), _Capture()
@@ -685,16 +663,17 @@ def _run(argv: list[str], cwd: str, env: dict[str, str], timeout: float) -> Head
         exit_code = 128 - returncode
     else:
         exit_code = returncode
-    stdout, stderr, out_cut, err_cut = _fit_outputs(out.text(), err.text())
-    return {
-        "stdout": stdout,
-        "stderr": stderr,
+    # the output travels as raw bytes in the payload (stdout then stderr): no JSON escaping,
+    # no header size limit; the receiver splits it at stdout_bytes
+    header = {
         "exit_code": exit_code,
         "duration_ms": round(duration_ms, 3),
         "timed_out": timed_out,
-        "stdout_truncated": out.truncated or out_cut,
-        "stderr_truncated": err.truncated or err_cut,
+        "stdout_bytes": len(out.data),
+        "stdout_truncated": out.truncated,
+        "stderr_truncated": err.truncated,
     }
+    return header, bytes(out.data) + bytes(err.data)
 
 
 def _collect(proc: subprocess.Popen[bytes], out: _Capture, err: _Capture, deadline: float) -> bool:
@@ -765,44 +744,6 @@ def _pidfd_open(pid: int) -> int | None:
     except OSError:
         return None
     return fd
-
-
-def _json_size(text: str) -> int:
-    return len(json.dumps(text, ensure_ascii=False).encode())
-
-
-def _fit_outputs(stdout: str, stderr: str) -> tuple[str, str, bool, bool]:
-    """Shorten the outputs if the response header would exceed frames.MAX_HEADER_BYTES.
-
-    JSON escaping can make the text larger than the bytes read (up to 6x for control
-    characters), so two capped streams do not always fit in one header.
-    """
-    budget = frames.MAX_HEADER_BYTES - HEADER_SLACK
-    out_size, err_size = _json_size(stdout), _json_size(stderr)
-    if out_size + err_size <= budget:
-        return stdout, stderr, False, False
-    half = budget // 2
-    out_limit = max(half, budget - err_size)
-    err_limit = max(half, budget - out_size)
-    out_cut = out_size > out_limit
-    err_cut = err_size > err_limit
-    if out_cut:
-        stdout = _shrink(stdout, out_limit)
-    if err_cut:
-        stderr = _shrink(stderr, err_limit)
-    return stdout, stderr, out_cut, err_cut
-
-
-def _shrink(text: str, limit: int) -> str:
-    """The longest prefix of ``text`` whose JSON encoding takes at most ``limit`` bytes."""
-    low, high = 0, len(text)  # _json_size(text[:low]) <= limit < _json_size(text[:high])
-    while high - low > 1:
-        middle = (low + high) // 2
-        if _json_size(text[:middle]) <= limit:
-            low = middle
-        else:
-            high = middle
-    return text[:low]
 
 
 # --------------------------------------------------------------------------- dispatch

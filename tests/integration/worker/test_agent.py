@@ -19,10 +19,21 @@ from typing import Any, BinaryIO, cast
 import pytest
 
 from sandgate.agent import frames
+from sandgate.core.output import decode_output, split_output
 
 AGENT = Path(__file__).resolve().parents[3] / "src" / "sandgate" / "agent" / "main.py"
 EXEC_OUTPUT_CAP = 1 << 20  # main.EXEC_OUTPUT_CAP; importing main would put its dir on sys.path
 MiB = 1 << 20
+
+
+def with_output(header: frames.Header, payload: bytes) -> frames.Header:
+    """An exec answer with its payload decoded the way the API decodes it."""
+    out, err = split_output(payload, header["stdout_bytes"])
+    return {
+        **header,
+        "stdout": decode_output(out, header["stdout_truncated"]),
+        "stderr": decode_output(err, header["stderr_truncated"]),
+    }
 
 
 class Agent:
@@ -86,7 +97,9 @@ class Agent:
         return code
 
     def exec(self, code: str, language: str = "bash", **fields: Any) -> frames.Header:
-        return self.ok("exec", language=language, code=code, **fields)
+        header, payload = self.call("exec", language=language, code=code, **fields)
+        assert header["ok"] is True, header
+        return with_output(header, payload)
 
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
@@ -369,6 +382,7 @@ def test_output_cap_on_both_streams_with_escaping(agent: Agent) -> None:
     assert 0 < len(result["stdout"]) <= EXEC_OUTPUT_CAP
     assert 0 < len(result["stderr"]) <= EXEC_OUTPUT_CAP
     assert set(result["stdout"]) == {"\x01"}
+    assert len(result["stdout"]) == EXEC_OUTPUT_CAP  # the whole cap: no JSON escaping limit
 
 
 def test_output_cap_keeps_utf8_whole(agent: Agent) -> None:
@@ -385,8 +399,8 @@ def test_concurrent_requests(agent: Agent) -> None:
     ping = agent.send("ping")
     answers = {}
     for _ in range(len(ids) + 1):
-        header, _ = agent.recv()
-        answers[header["id"]] = header
+        header, payload = agent.recv()
+        answers[header["id"]] = with_output(header, payload) if "exit_code" in header else header
     assert time.monotonic() - started < 2
     assert answers[ping] == {"id": ping, "ok": True}
     for request_id, i in ids.items():

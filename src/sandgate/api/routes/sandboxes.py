@@ -18,7 +18,8 @@ from sandgate.api.schemas import (
     SandboxOut,
 )
 from sandgate.control.sandboxes import CreateRequest
-from sandgate.errors import InvalidRequestError
+from sandgate.core.output import decode_output, split_output
+from sandgate.errors import InvalidRequestError, WorkerError
 from sandgate.store.base import Sandbox, SandboxFilter, SandboxName, TenantId
 
 router = APIRouter(prefix="/api/v1", tags=["sandboxes"])
@@ -145,8 +146,20 @@ async def _execute(name: str, body: Execute, who: TenantId, svc: Services) -> di
         "env": body.env,
         "cwd": body.cwd,
     }
-    reply, _ = await svc.sandboxes.agent_call(who, name, call, timeout=timeout)
-    return {k: reply.get(k) for k in ExecuteOut.model_fields if k in reply}
+    reply, payload = await svc.sandboxes.agent_call(who, name, call, timeout=timeout)
+    try:
+        out, err = split_output(payload, int(reply.get("stdout_bytes", 0)))
+    except ValueError:
+        raise WorkerError("the sandbox agent sent a malformed exec answer") from None
+    return {
+        "stdout": decode_output(out, bool(reply.get("stdout_truncated"))),
+        "stderr": decode_output(err, bool(reply.get("stderr_truncated"))),
+        "exit_code": int(reply["exit_code"]),
+        "duration_ms": float(reply["duration_ms"]),
+        "timed_out": bool(reply.get("timed_out")),
+        "stdout_truncated": bool(reply.get("stdout_truncated")),
+        "stderr_truncated": bool(reply.get("stderr_truncated")),
+    }
 
 
 @router.post("/sandboxes/execute", response_model=ExecuteOut, responses=error_docs())
