@@ -44,7 +44,10 @@ def summary(values: list[float]) -> str:
 
 def sandgate(*args: str, env: dict[str, str] | None = None) -> str:
     return subprocess.run(
-        [sys.executable, "-m", "sandgate", *args], check=True, capture_output=True, text=True,
+        [sys.executable, "-m", "sandgate", *args],
+        check=True,
+        capture_output=True,
+        text=True,
         env={**os.environ, **(env or {})},
     ).stdout.strip()
 
@@ -140,15 +143,46 @@ def main() -> None:
     token = sandgate("keys", "create", "--db", db, "--worker")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(work / "bench.log", "ab")  # noqa: SIM115
+    log = open(work / "bench.log", "ab")
     server = subprocess.Popen(
-        [sys.executable, "-m", "sandgate", "server", "--db", db, "--port", str(port), "--log-level", "WARNING"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "sandgate",
+            "server",
+            "--db",
+            db,
+            "--port",
+            str(port),
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     worker = subprocess.Popen(
-        [sys.executable, "-m", "sandgate", "worker", "--server", url, "--name", "bench",
-         "--runtime", args.runtime, "--capacity", "64", "--state-dir", str(state_dir), "--log-level", "WARNING"],
-        env={**os.environ, "SANDGATE_TOKEN": token}, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "sandgate",
+            "worker",
+            "--server",
+            url,
+            "--name",
+            "bench",
+            "--runtime",
+            args.runtime,
+            "--capacity",
+            "64",
+            "--state-dir",
+            str(state_dir),
+            "--log-level",
+            "WARNING",
+        ],
+        env={**os.environ, "SANDGATE_TOKEN": token},
+        stdout=log,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     headers = {"Authorization": f"Bearer {key}"}
@@ -166,7 +200,9 @@ def main() -> None:
             else:
                 raise SystemExit(f"worker did not connect; see {work / 'bench.log'}")
 
-            print(f"sandgate bench  runtime={args.runtime}  cpus={os.cpu_count()}  load={os.getloadavg()[0]:.2f}")
+            print(
+                f"sandgate bench  runtime={args.runtime}  cpus={os.cpu_count()}  load={os.getloadavg()[0]:.2f}"
+            )
             spawn = baseline_spawn(args.n)
             agent = asyncio.run(baseline_agent(args.runtime, args.n, state_dir / "agent-baseline"))
 
@@ -187,7 +223,9 @@ def main() -> None:
             execs = []
             for i in range(args.n + 20):
                 start = time.perf_counter()
-                response = client.post(f"/api/v1/sandboxes/{target}/execute", json={"code": "echo ok"})
+                response = client.post(
+                    f"/api/v1/sandboxes/{target}/execute", json={"code": "echo ok"}
+                )
                 elapsed = (time.perf_counter() - start) * 1000
                 assert response.json()["stdout"] == "ok\n", response.text
                 if i >= 20:
@@ -199,7 +237,10 @@ def main() -> None:
             def hammer(slot: int) -> None:
                 with httpx.Client(base_url=url, headers=headers, timeout=60) as own:
                     while time.monotonic() < stop_at:
-                        r = own.post(f"/api/v1/sandboxes/{names[slot % len(names)]}/execute", json={"code": "echo ok"})
+                        r = own.post(
+                            f"/api/v1/sandboxes/{names[slot % len(names)]}/execute",
+                            json={"code": "echo ok"},
+                        )
                         if r.status_code == 200:
                             counts[slot] += 1
 
@@ -222,11 +263,19 @@ def main() -> None:
         print(f"API       create-to-running                 {summary(creates)}")
         print(f"API       execute throughput, 8 clients     {throughput:7.1f} req/s")
         if memory:
-            print(f"memory    PSS per idle sandbox              {memory[0]:7.2f} MiB (mean of {memory[1]})")
+            print(
+                f"memory    PSS per idle sandbox              {memory[0]:7.2f} MiB (mean of {memory[1]})"
+            )
         print()
-        print(f"ratio     API execute p50 / host spawn p50   {statistics.median(execs) / spawn_p50:5.2f}x  (target <= 3)")
-        print(f"ratio     API execute p50 / agent p50        {statistics.median(execs) / statistics.median(agent):5.2f}x")
-        print(f"target    create-to-running p50 <= 100 ms    {'met' if statistics.median(creates) <= 100 else 'MISSED'}")
+        print(
+            f"ratio     API execute p50 / host spawn p50   {statistics.median(execs) / spawn_p50:5.2f}x  (target <= 3)"
+        )
+        print(
+            f"ratio     API execute p50 / agent p50        {statistics.median(execs) / statistics.median(agent):5.2f}x"
+        )
+        print(
+            f"target    create-to-running p50 <= 100 ms    {'met' if statistics.median(creates) <= 100 else 'MISSED'}"
+        )
     finally:
         for proc in (worker, server):
             proc.send_signal(signal.SIGTERM)

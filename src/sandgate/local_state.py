@@ -110,10 +110,14 @@ STATE_TABLE: dict[str, StateRow] = {
         "per-process by nature: the agent is this worker's child",
     ),
     "AgentLink.ready": StateRow(
-        "set when the sandbox's agent reported ready", "one event per sandbox", "per-process by nature"
+        "set when the sandbox's agent reported ready",
+        "one event per sandbox",
+        "per-process by nature",
     ),
     "AgentLink.ready_info": StateRow(
-        "the agent's ready event (pid, version)", "one small dict per sandbox", "per-process by nature"
+        "the agent's ready event (pid, version)",
+        "one small dict per sandbox",
+        "per-process by nature",
     ),
     "TunnelClient.connected": StateRow(
         "whether the worker's tunnel is up", "one event per worker", "per-process by nature"

@@ -21,10 +21,29 @@ AGENT = SRC / "agent" / "main.py"
 def sources() -> list[Path]:
     return [p for p in SRC.rglob("*.py") if p != AGENT]
 
+
 MUTABLE_CALLS = {
-    "dict", "list", "set", "bytearray", "defaultdict", "OrderedDict", "Counter", "deque",
-    "Lock", "RLock", "Event", "Semaphore", "BoundedSemaphore", "Condition", "Queue",
-    "WeakValueDictionary", "WeakKeyDictionary", "WeakSet", "create_future", "Future", "field",
+    "dict",
+    "list",
+    "set",
+    "bytearray",
+    "defaultdict",
+    "OrderedDict",
+    "Counter",
+    "deque",
+    "Lock",
+    "RLock",
+    "Event",
+    "Semaphore",
+    "BoundedSemaphore",
+    "Condition",
+    "Queue",
+    "WeakValueDictionary",
+    "WeakKeyDictionary",
+    "WeakSet",
+    "create_future",
+    "Future",
+    "field",
 }
 
 

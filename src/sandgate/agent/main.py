@@ -544,6 +544,7 @@ class _Capture:
             chunk = chunk[:room]
         self.data += chunk
 
+
 def _which(name: str) -> str:
     found = _which_cache.get(name)
     if found is None:

@@ -17,6 +17,7 @@ from sandgate.config import ServerSettings
 from sandgate.control.reaper import Reaper
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.workers import WorkerRegistry
+from sandgate.errors import TunnelUnavailableError
 from sandgate.local_state import ServerLocalState
 from sandgate.store.sql import open_store
 
@@ -41,7 +42,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
             for session in list(state.tunnels.values()):
-                session.channel.close(errors_module_unavailable())
+                session.channel.close(TunnelUnavailableError("server shutting down"))
             await store.aclose()
 
     app = FastAPI(
@@ -58,9 +59,3 @@ def create_app(settings: ServerSettings) -> FastAPI:
         BodyLimit, max_bytes=settings.max_json_bytes, streaming_suffixes=("/toolbox/files",)
     )
     return app
-
-
-def errors_module_unavailable() -> Exception:
-    from sandgate.errors import TunnelUnavailableError
-
-    return TunnelUnavailableError("server shutting down")

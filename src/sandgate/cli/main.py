@@ -25,7 +25,9 @@ keys_app = typer.Typer(help="Create API keys and worker tokens.", no_args_is_hel
 app.add_typer(keys_app, name="keys")
 
 
-DbOpt = Annotated[str, typer.Option("--db", envvar="SANDGATE_DB", help="sqlite:///path or postgresql://...")]
+DbOpt = Annotated[
+    str, typer.Option("--db", envvar="SANDGATE_DB", help="sqlite:///path or postgresql://...")
+]
 LogOpt = Annotated[str, typer.Option("--log-level", envvar="SANDGATE_LOG_LEVEL")]
 
 
@@ -64,8 +66,12 @@ def migrate(db: DbOpt, log_level: LogOpt = "INFO") -> None:
 @keys_app.command("create")
 def keys_create(
     db: DbOpt,
-    tenant: Annotated[str | None, typer.Option(envvar="SANDGATE_TENANT", help="tenant name")] = None,
-    worker: Annotated[bool, typer.Option("--worker", envvar="SANDGATE_WORKER", help="a worker token")] = False,
+    tenant: Annotated[
+        str | None, typer.Option(envvar="SANDGATE_TENANT", help="tenant name")
+    ] = None,
+    worker: Annotated[
+        bool, typer.Option("--worker", envvar="SANDGATE_WORKER", help="a worker token")
+    ] = False,
     log_level: LogOpt = "WARNING",
 ) -> None:
     """Print a new tenant API key (--tenant NAME) or worker token (--worker)."""
@@ -111,8 +117,14 @@ def server(
     db: DbOpt,
     port: Annotated[int, typer.Option(envvar="SANDGATE_PORT")] = 8080,
     host: Annotated[str, typer.Option(envvar="SANDGATE_HOST")] = "127.0.0.1",
-    node_url: Annotated[str | None, typer.Option(envvar="SANDGATE_NODE_URL", help="URL peers reach this instance at")] = None,
-    secret_file: Annotated[Path | None, typer.Option(envvar="SANDGATE_SECRET_FILE", help="shared secret of all instances")] = None,
+    node_url: Annotated[
+        str | None,
+        typer.Option(envvar="SANDGATE_NODE_URL", help="URL peers reach this instance at"),
+    ] = None,
+    secret_file: Annotated[
+        Path | None,
+        typer.Option(envvar="SANDGATE_SECRET_FILE", help="shared secret of all instances"),
+    ] = None,
     log_level: LogOpt = "INFO",
 ) -> None:
     """Run one API instance."""
@@ -134,9 +146,20 @@ def worker(
     token: Annotated[str, typer.Option(envvar="SANDGATE_TOKEN", help="worker token")],
     name: Annotated[str, typer.Option(envvar="SANDGATE_NAME")] = socket.gethostname(),
     capacity: Annotated[int, typer.Option(envvar="SANDGATE_CAPACITY", min=1)] = 16,
-    runtime: Annotated[str, typer.Option(envvar="SANDGATE_RUNTIME", help="bwrap or process")] = "bwrap",
-    state_dir: Annotated[Path, typer.Option(envvar="SANDGATE_STATE_DIR")] = Path("/var/lib/sandgate"),
-    allow_network: Annotated[bool, typer.Option("--allow-network", envvar="SANDGATE_ALLOW_NETWORK", help="let network=true sandboxes use the HOST network namespace")] = False,
+    runtime: Annotated[
+        str, typer.Option(envvar="SANDGATE_RUNTIME", help="bwrap or process")
+    ] = "bwrap",
+    state_dir: Annotated[Path, typer.Option(envvar="SANDGATE_STATE_DIR")] = Path(
+        "/var/lib/sandgate"
+    ),
+    allow_network: Annotated[
+        bool,
+        typer.Option(
+            "--allow-network",
+            envvar="SANDGATE_ALLOW_NETWORK",
+            help="let network=true sandboxes use the HOST network namespace",
+        ),
+    ] = False,
     log_level: LogOpt = "INFO",
 ) -> None:
     """Run a worker: dial the control plane and host sandboxes."""
@@ -164,9 +187,13 @@ def up(
     port: Annotated[int, typer.Option(envvar="SANDGATE_PORT")] = 8080,
     host: Annotated[str, typer.Option(envvar="SANDGATE_HOST")] = "127.0.0.1",
     data_dir: Annotated[Path, typer.Option(envvar="SANDGATE_DATA_DIR")] = Path(".sandgate"),
-    runtime: Annotated[str, typer.Option(envvar="SANDGATE_RUNTIME", help="bwrap or process")] = "bwrap",
+    runtime: Annotated[
+        str, typer.Option(envvar="SANDGATE_RUNTIME", help="bwrap or process")
+    ] = "bwrap",
     capacity: Annotated[int, typer.Option(envvar="SANDGATE_CAPACITY", min=1)] = 16,
-    state_dir: Annotated[Path, typer.Option(envvar="SANDGATE_STATE_DIR")] = Path("/var/lib/sandgate"),
+    state_dir: Annotated[Path, typer.Option(envvar="SANDGATE_STATE_DIR")] = Path(
+        "/var/lib/sandgate"
+    ),
     log_level: LogOpt = "INFO",
 ) -> None:
     """All in one: an API instance on SQLite in the data dir plus one local worker."""
@@ -174,7 +201,11 @@ def up(
 
     logs.setup(log_level)
     code = run_up(
-        port=port, host=host, data_dir=data_dir, runtime=runtime, capacity=capacity,
+        port=port,
+        host=host,
+        data_dir=data_dir,
+        runtime=runtime,
+        capacity=capacity,
         state_dir=state_dir,
     )
     raise typer.Exit(code)

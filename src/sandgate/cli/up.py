@@ -84,10 +84,22 @@ async def _up(
     url = f"http://{host}:{port}"
     env = dict(os.environ, SANDGATE_TOKEN=token)
     worker = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sandgate", "worker",
-        "--server", url, "--name", "local", "--runtime", runtime,
-        "--capacity", str(capacity), "--state-dir", str(state_dir),
-        env=env, start_new_session=True,  # we stop it ourselves, in order
+        sys.executable,
+        "-m",
+        "sandgate",
+        "worker",
+        "--server",
+        url,
+        "--name",
+        "local",
+        "--runtime",
+        runtime,
+        "--capacity",
+        str(capacity),
+        "--state-dir",
+        str(state_dir),
+        env=env,
+        start_new_session=True,  # we stop it ourselves, in order
     )
     _banner(url, api_key, data_dir)
     waiter = asyncio.create_task(worker.wait())
@@ -112,16 +124,17 @@ async def _up(
 
 
 def _banner(url: str, api_key: str, data_dir: Path) -> None:
+    auth = f'-H "Authorization: Bearer $(cat {data_dir / "api-key"})"'
+    json = "-H 'Content-Type: application/json'"
     sys.stdout.write(
         f"""
 sandgate is running at {url}  (docs: {url}/docs)
-API key: {api_key}   (saved in {data_dir / 'api-key'})
+API key: {api_key}   (saved in {data_dir / "api-key"})
 
 Try it:
-  curl -s -X POST {url}/api/v1/sandboxes -H "Authorization: Bearer $(cat {data_dir / 'api-key'})" \\
-       -H 'Content-Type: application/json' -d '{{}}'
-  curl -s -X POST "{url}/api/v1/sandboxes/<name>/execute" -H "Authorization: Bearer $(cat {data_dir / 'api-key'})" \\
-       -H 'Content-Type: application/json' -d '{{"language": "bash", "code": "echo ok"}}'
+  curl -s -X POST {url}/api/v1/sandboxes {auth} {json} -d '{{}}'
+  curl -s -X POST {url}/api/v1/sandboxes/<name>/execute {auth} {json} \\
+       -d '{{"language": "bash", "code": "echo ok"}}'
 
 Ctrl-C stops the worker and every sandbox it started.
 """

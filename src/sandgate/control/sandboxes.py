@@ -101,7 +101,9 @@ class SandboxService:
         try:
             result = await self._create_once(tenant, request, digest, fingerprint)
         except BaseException as exc:
-            failure = exc if isinstance(exc, SandgateError) else UnavailableError("create interrupted")
+            failure = (
+                exc if isinstance(exc, SandgateError) else UnavailableError("create interrupted")
+            )
             future.set_exception(failure)
             future.exception()  # waiters read it; do not warn when there are none
             raise
@@ -219,28 +221,32 @@ class SandboxService:
     async def _deliver(self, sandbox: Sandbox, job: Job) -> Sandbox:
         session = self.workers.session_for(sandbox.worker)
         try:
-            await session.channel.call(
-                "provision", wait=self.settings.start_timeout, **job.request
-            )
+            await session.channel.call("provision", wait=self.settings.start_timeout, **job.request)
         except SandgateError as exc:
             now = utcnow()
             await self.store.finish_job(job.id, "failed", error=exc.message, now=now)
             await self.store.set_sandbox_state(
                 sandbox.name, "error", from_states=("pending",), error=exc.message, now=now
             )
-            log.warning("sandbox.start_failed", extra={"sandbox": sandbox.name, "error": exc.message})
+            log.warning(
+                "sandbox.start_failed", extra={"sandbox": sandbox.name, "error": exc.message}
+            )
             if isinstance(exc, InvalidRequestError):
                 raise
             raise WorkerError(f"sandbox {sandbox.name} failed to start: {exc.message}") from exc
         now = utcnow()
         expires_at = now + timedelta(seconds=sandbox.timeout)
         await self.store.finish_job(job.id, "completed", now=now)
-        if not await self.store.mark_running(sandbox.name, WorkerName(session.worker), now, expires_at):
+        if not await self.store.mark_running(
+            sandbox.name, WorkerName(session.worker), now, expires_at
+        ):
             # deleted while it started: do not resurrect it, take it down again
             await self._destroy_on_worker(sandbox)
             raise ConflictError(f"sandbox {sandbox.name} was deleted while it started")
         log.info("sandbox.running", extra={"sandbox": sandbox.name})
-        return replace(sandbox, state="running", started_at=now, expires_at=expires_at, updated_at=now)
+        return replace(
+            sandbox, state="running", started_at=now, expires_at=expires_at, updated_at=now
+        )
 
     # -- read --------------------------------------------------------------------------------
     async def get(self, tenant: TenantId, name: str) -> Sandbox:
@@ -255,14 +261,16 @@ class SandboxService:
     async def running(self, tenant: TenantId, name: str) -> Sandbox:
         sandbox = await self.get(tenant, name)
         if sandbox.state != "running":
-            raise ConflictError(f"sandbox {name} is {sandbox.state}, not running", code="not_running")
+            raise ConflictError(
+                f"sandbox {name} is {sandbox.state}, not running", code="not_running"
+            )
         return sandbox
 
     # -- change ------------------------------------------------------------------------------
-    async def extend(self, tenant: TenantId, name: str, timeout: float) -> Sandbox:
+    async def extend(self, tenant: TenantId, name: str, seconds: float) -> Sandbox:
         sandbox = await self.running(tenant, name)
         now = utcnow()
-        expires_at = now + timedelta(seconds=timeout)
+        expires_at = now + timedelta(seconds=seconds)
         if not await self.store.set_expiry(sandbox.name, expires_at, now):
             raise ConflictError(f"sandbox {name} is no longer running", code="not_running")
         return replace(sandbox, expires_at=expires_at, updated_at=now)
@@ -292,7 +300,9 @@ class SandboxService:
         try:
             await session.channel.call("destroy", wait=30.0, name=sandbox.name)
         except SandgateError as exc:
-            log.warning("sandbox.destroy_failed", extra={"sandbox": sandbox.name, "error": exc.message})
+            log.warning(
+                "sandbox.destroy_failed", extra={"sandbox": sandbox.name, "error": exc.message}
+            )
 
     async def expire_due(self, limit: int = 100) -> int:
         due = await self.store.list_expired(utcnow(), limit)
@@ -309,13 +319,19 @@ class SandboxService:
         call: dict[str, Any],
         payload: bytes = b"",
         *,
-        timeout: float = 60.0,
+        seconds: float = 60.0,
     ) -> tuple[Header, bytes]:
+        """Relay one agent call; `seconds` is how long the call itself may run."""
         sandbox = await self.running(tenant, name)
         session = self.workers.session_for(sandbox.worker)
         try:
             return await session.channel.call(
-                "agent", payload, wait=timeout + 5.0, sandbox=sandbox.name, call=call, timeout_s=timeout
+                "agent",
+                payload,
+                wait=seconds + 5.0,
+                sandbox=sandbox.name,
+                call=call,
+                timeout_s=seconds,
             )
         except NotFoundError as exc:
             if exc.message.startswith("sandbox ") and "not running on this worker" in exc.message:

@@ -10,6 +10,7 @@ only add.
 from __future__ import annotations
 
 from datetime import UTC, datetime
+
 from sqlalchemy import (
     JSON,
     Boolean,

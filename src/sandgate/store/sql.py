@@ -23,13 +23,12 @@ import os
 import re
 import sqlite3
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar, cast
 
-import asyncpg
 from sqlalchemy import (
     ColumnElement,
     Row,
@@ -60,6 +59,7 @@ from sandgate.store.base import (
     SandboxFilter,
     SandboxName,
     SandboxState,
+    Store,
     Tenant,
     TenantId,
     Worker,
@@ -81,10 +81,8 @@ R = TypeVar("R")
 
 _DRIVER_ERRORS: Final = (
     SQLAlchemyError,
-    OSError,  # includes ConnectionError; asyncpg raises these raw while connecting
+    OSError,  # includes ConnectionError: asyncpg raises these raw while connecting
     TimeoutError,
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
     sqlite3.Error,
 )
 
@@ -96,7 +94,7 @@ _LIVE_STATES: Final[tuple[SandboxState, ...]] = ("pending", "running")
 _SQLITE_PATH_SAFE_KEY = re.compile(r"[A-Za-z0-9_\-.:/@ ]+")
 
 
-def _store_op(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+def _store_op(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
     """Turn driver failures into StoreError; StoreError subclasses pass through."""
     op = fn.__name__
 
@@ -367,7 +365,9 @@ class SqlStore:
         # COMMIT/ROLLBACK round trips around it (asyncpg's adapter otherwise opens a
         # transaction before every first statement). pysqlite manages SQLite's implicit
         # transactions itself: it starts one before a write, never before a SELECT.
-        self._auto = engine if self._sqlite else engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._auto = (
+            engine if self._sqlite else engine.execution_options(isolation_level="AUTOCOMMIT")
+        )
 
     @property
     def engine(self) -> AsyncEngine:
@@ -525,7 +525,9 @@ class SqlStore:
 
     @_store_op
     async def get_tenant_sandbox(self, tenant_id: TenantId, name: SandboxName) -> Sandbox | None:
-        row = await self._fetch_one(_SELECT_TENANT_SANDBOX, {"b_name": name, "b_tenant_id": tenant_id})
+        row = await self._fetch_one(
+            _SELECT_TENANT_SANDBOX, {"b_name": name, "b_tenant_id": tenant_id}
+        )
         if row is None or row.tenant_id != tenant_id:
             return None
         return _sandbox(row)
@@ -538,7 +540,7 @@ class SqlStore:
                 .select_from(pairs)
                 .where(pairs.c.key == key, pairs.c.value == value)
             )
-        return sandboxes.c.metadata[key].as_string() == value
+        return cast(ColumnElement[bool], sandboxes.c.metadata[key].as_string() == value)
 
     @_store_op
     async def list_sandboxes(self, tenant_id: TenantId, where: SandboxFilter) -> list[Sandbox]:
@@ -742,14 +744,21 @@ def _sqlite_on_connect(dbapi_connection: Any, _connection_record: Any) -> None:
         cursor.close()
 
 
+def _existing_sqlite_file(database: str) -> Path | None:
+    path = Path(os.path.expanduser(database))
+    return path if path.is_file() else None
+
+
 async def open_store(url: str) -> SqlStore:
     """Open (not migrate) the store at `url`. See `migrate.async_url` for URL forms."""
     target = async_url(url)
     if target.get_backend_name() == "sqlite":
-        db_file = Path(os.path.expanduser(target.database or ""))
-        if not db_file.is_file():
+        db_file = _existing_sqlite_file(target.database or "")
+        if db_file is None:
             # Never create an empty database by opening it: that is `migrate`'s job.
-            raise StoreError(f"no SQLite database at {db_file}; run `sandgate migrate` first")
+            raise StoreError(
+                f"no SQLite database at {target.database!r}; run `sandgate migrate` first"
+            )
         # aiosqlite: one thread per connection. WAL lets readers run beside the writer;
         # writers queue on busy_timeout. (In-memory SQLite is refused by async_url.)
         engine = create_async_engine(
@@ -770,6 +779,12 @@ async def open_store(url: str) -> SqlStore:
             json_serializer=_dumps,
         )
     return SqlStore(engine)
+
+
+if TYPE_CHECKING:
+
+    def _implements_protocol(store: SqlStore) -> Store:
+        return store  # mypy checks every method signature against the Protocol here
 
 
 __all__ = ["SqlStore", "open_store"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -36,7 +36,7 @@ class TunnelClient:
         *,
         hello: Callable[[], dict[str, Any]],
         handler: Handler,
-        on_welcome: Callable[[Header], Awaitable[None]],
+        on_welcome: Callable[[Header], Coroutine[Any, Any, None]],
         on_channel: Callable[[RpcChannel | None], None],
         heartbeat_interval: float = 10.0,
         reconnect_min: float = 0.2,

@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,36 @@ log = logging.getLogger(__name__)
 AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent"
 
 
+SANDBOX_PYTHON = Path("/usr/bin/python3")
+
+# agent.py is a launcher: Python never caches the bytecode of a script it runs, but it does for
+# modules, so the agent proper is imported from bytecode compiled here once (the directory is
+# read-only inside the sandbox). Saves ~5 ms and ~2 MiB per sandbox start.
+_LAUNCHER = """import sys
+sys.path.insert(0, __file__.rpartition("/")[0])
+import sandgate_agent
+sys.exit(sandgate_agent.main(sys.argv[1:]))
+"""
+
+
 def install_agent(agent_dir: Path) -> None:
     """Copy the agent where every sandbox uid can read it (it is bind-mounted read-only)."""
     agent_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(agent_dir, 0o755)
-    for source, target in (("main.py", "agent.py"), ("frames.py", "frames.py")):
+    for source, target in (("main.py", "sandgate_agent.py"), ("frames.py", "frames.py")):
         shutil.copyfile(AGENT_SOURCE / source, agent_dir / target)
         os.chmod(agent_dir / target, 0o644)
+    (agent_dir / "agent.py").write_text(_LAUNCHER)
+    os.chmod(agent_dir / "agent.py", 0o644)
+    if SANDBOX_PYTHON.exists():
+        subprocess.run(
+            [str(SANDBOX_PYTHON), "-m", "compileall", "-q", str(agent_dir)],
+            check=True,
+            capture_output=True,
+        )
+        for cached in (agent_dir / "__pycache__").iterdir():
+            os.chmod(cached, 0o644)
+        os.chmod(agent_dir / "__pycache__", 0o755)
 
 
 def make_runtime(settings: WorkerSettings, state_dir: Path, agent_dir: Path) -> Runtime:

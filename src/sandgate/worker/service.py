@@ -4,7 +4,7 @@ Tunnel operations (server → worker):
 
 | op | fields | answer |
 |---|---|---|
-| `provision` | `name`, `spec` {env, network, memory_mb, cpus, pids} | `sandbox` info; idempotent by name |
+| `provision` | `name`, `spec` {env, network, memory_mb, cpus, pids} | `sandbox`; idempotent |
 | `destroy` | `name` | `existed` |
 | `list` | | `sandboxes` [names] |
 | `agent` | `sandbox`, `call` {op, ...}, payload | the agent's answer, relayed |

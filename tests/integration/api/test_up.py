@@ -20,8 +20,18 @@ from tests.integration.api.conftest import RUNTIME, free_port
 def start_up(data_dir: Path, state_dir: Path, port: int) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "sandgate", "up", "--port", str(port),
-            "--data-dir", str(data_dir), "--state-dir", str(state_dir), "--runtime", RUNTIME,
+            sys.executable,
+            "-m",
+            "sandgate",
+            "up",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            "--state-dir",
+            str(state_dir),
+            "--runtime",
+            RUNTIME,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -40,7 +50,7 @@ def start_up(data_dir: Path, state_dir: Path, port: int) -> tuple[subprocess.Pop
     text = "".join(banner)
     assert f"http://127.0.0.1:{port}" in text, text
     assert "curl" in text
-    key = next(l.split()[2] for l in banner if l.startswith("API key:"))
+    key = next(line.split()[2] for line in banner if line.startswith("API key:"))
     return proc, key
 
 
@@ -64,7 +74,9 @@ def test_up_serves_and_cleans_up_on_ctrl_c(tmp_path: Path) -> None:
         assert key_file.read_text().strip() == key
         assert (key_file.stat().st_mode & 0o777) == 0o600
         url = f"http://127.0.0.1:{port}"
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
+        with httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60
+        ) as c:
             deadline = time.monotonic() + 30
             while not any(w["connected"] for w in c.get("/api/v1/workers").json()["workers"]):
                 assert time.monotonic() < deadline, "local worker never connected"
@@ -75,7 +87,9 @@ def test_up_serves_and_cleans_up_on_ctrl_c(tmp_path: Path) -> None:
             assert again.headers["Idempotent-Replayed"] == "true"
             name = first.json()["name"]
             assert again.json()["name"] == name
-            out = c.post(f"/api/v1/sandboxes/{name}/execute", json={"language": "bash", "code": "echo ok"})
+            out = c.post(
+                f"/api/v1/sandboxes/{name}/execute", json={"language": "bash", "code": "echo ok"}
+            )
             assert out.json()["stdout"] == "ok\n" and out.json()["exit_code"] == 0
             files = f"/api/v1/sandboxes/{name}/toolbox/files"
             assert c.put(files, params={"path": "in.txt"}, content=b"data").status_code == 200
@@ -93,7 +107,9 @@ def test_up_serves_and_cleans_up_on_ctrl_c(tmp_path: Path) -> None:
     ).stdout
     assert found == ""
     if uid is not None and RUNTIME == "bwrap":
-        states = subprocess.run(["ps", "-u", str(uid), "-o", "stat="], capture_output=True, text=True)
+        states = subprocess.run(
+            ["ps", "-u", str(uid), "-o", "stat="], capture_output=True, text=True
+        )
         assert [s for s in states.stdout.split() if not s.startswith("Z")] == []  # zombies: dead
     assert str(state_dir) not in Path("/proc/mounts").read_text()
 
@@ -101,7 +117,9 @@ def test_up_serves_and_cleans_up_on_ctrl_c(tmp_path: Path) -> None:
     proc2, key2 = start_up(data_dir, state_dir, port)
     try:
         assert key2 == key
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"}) as c:
+        with httpx.Client(
+            base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"}
+        ) as c:
             assert c.get("/api/v1/sandboxes").status_code == 200
     finally:
         stop(proc2)

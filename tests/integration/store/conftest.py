@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-import asyncpg
+import asyncpg  # type: ignore[import-untyped]
 import pytest
 from sqlalchemy import make_url
 

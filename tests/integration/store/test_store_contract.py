@@ -501,7 +501,10 @@ async def test_workers_upsert_and_list(store: SqlStore) -> None:
     await store.upsert_worker(replace(w, name=WorkerName("w-a"), node_url=None))
     changed = replace(w, capacity=8, features={}, last_seen_at=T0 + timedelta(seconds=1))
     await store.upsert_worker(changed)
-    assert await store.list_workers() == [replace(w, name=WorkerName("w-a"), node_url=None), changed]
+    assert await store.list_workers() == [
+        replace(w, name=WorkerName("w-a"), node_url=None),
+        changed,
+    ]
 
     seen = T0 + timedelta(seconds=30)
     await store.set_worker_connected(WorkerName("w-b"), False, seen)
@@ -578,7 +581,7 @@ async def test_naive_datetime_is_refused(store: SqlStore) -> None:
 
 async def test_json_columns_round_trip(store: SqlStore) -> None:
     payload: dict[str, Any] = {
-        "text": "ünïcödé \"quoted\" \\ back",
+        "text": 'ünïcödé "quoted" \\ back',
         "n": 1,
         "f": 2.5,
         "list": [1, "two", None, True],
@@ -609,6 +612,16 @@ async def test_driver_failures_surface_as_store_error(tmp_path: Path) -> None:
     with pytest.raises(StoreError):
         await open_store(f"sqlite:///{tmp_path / 'never-migrated.db'}")
     assert not (tmp_path / "never-migrated.db").exists()
+
+
+async def test_unreachable_postgres_is_store_error() -> None:
+    # Nothing listens on port 1: the connect fails before any PostgreSQL is involved.
+    down = await open_store("postgresql://postgres@127.0.0.1:1/sandgate")
+    try:
+        with pytest.raises(StoreError):
+            await down.find_api_key("a" * 64)
+    finally:
+        await down.aclose()
 
 
 async def test_unique_names_across_many_creates(store: SqlStore) -> None:

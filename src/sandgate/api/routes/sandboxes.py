@@ -146,7 +146,7 @@ async def _execute(name: str, body: Execute, who: TenantId, svc: Services) -> di
         "env": body.env,
         "cwd": body.cwd,
     }
-    reply, payload = await svc.sandboxes.agent_call(who, name, call, timeout=timeout)
+    reply, payload = await svc.sandboxes.agent_call(who, name, call, seconds=timeout)
     try:
         out, err = split_output(payload, int(reply.get("stdout_bytes", 0)))
     except ValueError:
