@@ -31,7 +31,6 @@ class ServerSettings(_Frozen):
     file_chunk_bytes: int = 1 << 20  # one tunnel frame of file data
     # auth cache: a revoked key stops working on every instance within this
     auth_cache_ttl: float = 5.0
-    heartbeat_timeout: float = 30.0  # a tunnel silent this long is dropped
 
 
 class WorkerSettings(_Frozen):

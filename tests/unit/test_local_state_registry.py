@@ -10,7 +10,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from sandgate.local_state import STATE_TABLE, registered_fields, state_table_markdown
+from sandgate.local_state import (
+    STATE_DOC_HEADER,
+    STATE_TABLE,
+    registered_fields,
+    state_table_markdown,
+)
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "sandgate"
 # The in-sandbox agent is its own process per sandbox (standard library only, it cannot import
@@ -129,3 +134,10 @@ def test_table_renders() -> None:
     table = state_table_markdown()
     for name in STATE_TABLE:
         assert f"`{name}`" in table
+
+
+def test_docs_carry_the_generated_table() -> None:
+    doc = SRC.parents[1] / "docs" / "state.md"
+    assert doc.read_text() == STATE_DOC_HEADER + state_table_markdown(), (
+        "regenerate: sandgate state-table > docs/state.md"
+    )

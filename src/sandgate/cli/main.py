@@ -214,9 +214,9 @@ def up(
 @app.command("state-table")
 def state_table() -> None:
     """Print the table of every piece of in-process state (Markdown)."""
-    from sandgate.local_state import state_table_markdown
+    from sandgate.local_state import STATE_DOC_HEADER, state_table_markdown
 
-    sys.stdout.write(state_table_markdown())
+    sys.stdout.write(STATE_DOC_HEADER + state_table_markdown())
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from sandgate.agent.frames import Header
 from sandgate.errors import NetworkUnavailableError, NoCapacityError, TunnelUnavailableError
@@ -59,9 +59,17 @@ class WorkerRegistry:
         remove = []
         for name in sorted(reported):
             record = await self.store.get_sandbox(SandboxName(name))
-            live_here = record is not None and record.state in ("running", "pending")
-            if not live_here or (record is not None and record.worker != worker):
+            if (
+                record is None
+                or record.worker != worker
+                or record.state not in ("running", "pending")
+            ):
                 remove.append(name)
+            elif record.state == "pending":
+                # provisioned, but the instance that asked died before recording it: it runs
+                await self.store.mark_running(
+                    record.name, worker, now, now + timedelta(seconds=record.timeout)
+                )
         log.info(
             "tunnel.attached",
             extra={"worker": worker, "sandboxes": len(reported), "remove": len(remove)},

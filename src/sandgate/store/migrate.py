@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import URL, Connection, make_url, pool, text
+from sqlalchemy import URL, Connection, Engine, event, make_url, pool, text
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -30,8 +31,8 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 # runs started at once apply each revision exactly once. Arbitrary, fixed 63-bit key.
 _PG_MIGRATION_LOCK = 0x5A6E_D6A7_E000_0001
 
-_SQLITE_DRIVERS = {"sqlite", "sqlite+aiosqlite", "sqlite+pysqlite"}
-_PG_DRIVERS = {"postgres", "postgresql", "postgres+asyncpg", "postgresql+asyncpg"}
+_SQLITE_DRIVERS = frozenset({"sqlite", "sqlite+aiosqlite", "sqlite+pysqlite"})
+_PG_DRIVERS = frozenset({"postgres", "postgresql", "postgres+asyncpg", "postgresql+asyncpg"})
 
 
 def async_url(url: str | URL) -> URL:
@@ -86,6 +87,23 @@ def _current_sync(connection: Connection) -> str | None:
     return MigrationContext.configure(connection).get_current_revision()
 
 
+def _sqlite_transactional_ddl(engine: Engine) -> None:
+    """Make DDL transactional on SQLite (SQLAlchemy's documented pysqlite recipe).
+
+    pysqlite's own transaction handling never puts DDL inside a transaction; take over
+    and emit BEGIN ourselves, so CREATE TABLE ... and the alembic_version row commit
+    or roll back together.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _no_implicit_transactions(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+
+    @event.listens_for(engine, "begin")
+    def _begin_immediate(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
 def _sqlite_file(url: URL) -> Path | None:
     if url.get_backend_name() != "sqlite" or not url.database:
         return None
@@ -101,16 +119,20 @@ async def upgrade(url: str) -> None:
     cfg = alembic_config()
     engine = create_async_engine(target, poolclass=pool.NullPool)
     try:
+        if db_file is not None:
+            # WAL sticks to the file; set it here, while nothing else has the file open.
+            async with engine.connect() as conn:
+                await conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+            _sqlite_transactional_ddl(engine.sync_engine)
+        # One transaction for the whole upgrade: a failing migration leaves nothing
+        # half-applied. PostgreSQL: an advisory lock makes concurrent runs queue up.
+        # SQLite: BEGIN IMMEDIATE does the same.
         async with engine.begin() as conn:
             if conn.dialect.name == "postgresql":
                 await conn.execute(
                     text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK}
                 )
             await conn.run_sync(_upgrade_sync, cfg)
-        if db_file is not None:
-            # WAL sticks to the file; set it here, while nothing else has the file open.
-            async with engine.connect() as conn:
-                await conn.exec_driver_sql("PRAGMA journal_mode=WAL")
     finally:
         await engine.dispose()
 
@@ -131,11 +153,11 @@ async def check_current(url: str) -> tuple[str | None, str]:
     return current, head
 
 
-__all__ = [
+__all__ = (
     "MIGRATIONS_DIR",
     "alembic_config",
     "async_url",
     "check_current",
     "head_revision",
     "upgrade",
-]
+)

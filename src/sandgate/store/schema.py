@@ -9,7 +9,10 @@ only add.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
+from types import MappingProxyType
+from typing import Final
 
 from sqlalchemy import (
     JSON,
@@ -30,13 +33,17 @@ from sqlalchemy import (
 )
 from sqlalchemy.types import TypeDecorator
 
-NAMING_CONVENTION: dict[str, str] = {
-    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
-    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
-    "ck": "ck_%(table_name)s_%(constraint_name)s",
-    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-    "pk": "pk_%(table_name)s",
-}
+# Names for constraints and indexes not named explicitly (every one below is; this is for
+# future migrations). Read-only: nothing in this module is process state.
+NAMING_CONVENTION: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -71,7 +78,7 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.astimezone(UTC)
 
 
-metadata = MetaData(naming_convention=NAMING_CONVENTION)
+metadata = MetaData(naming_convention=dict(NAMING_CONVENTION))
 
 tenants = Table(
     "tenants",
@@ -171,7 +178,7 @@ tunnel_owners = Table(
     PrimaryKeyConstraint("tunnel_key", name="pk_tunnel_owners"),
 )
 
-__all__ = [
+__all__ = (
     "NAMING_CONVENTION",
     "UTCDateTime",
     "api_keys",
@@ -182,4 +189,4 @@ __all__ = [
     "tenants",
     "tunnel_owners",
     "workers",
-]
+)

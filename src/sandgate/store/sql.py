@@ -261,7 +261,8 @@ class _DialectStatements:
         )
 
 
-_STATEMENTS: Final = {name: _DialectStatements(name) for name in ("sqlite", "postgresql")}
+_SQLITE_STATEMENTS: Final = _DialectStatements("sqlite")
+_POSTGRESQL_STATEMENTS: Final = _DialectStatements("postgresql")
 
 
 # ------------------------------------------------------------------------------ rows
@@ -356,9 +357,12 @@ class SqlStore:
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self.dialect: Final[str] = engine.dialect.name
-        if self.dialect not in _STATEMENTS:
+        if self.dialect == "sqlite":
+            self._stmts = _SQLITE_STATEMENTS
+        elif self.dialect == "postgresql":
+            self._stmts = _POSTGRESQL_STATEMENTS
+        else:
             raise ValueError(f"unsupported database dialect {self.dialect!r}")
-        self._stmts = _STATEMENTS[self.dialect]
         self._sqlite = self.dialect == "sqlite"
         # One-statement reads and writes need no explicit transaction: a single statement
         # is atomic on its own. On PostgreSQL, AUTOCOMMIT saves the BEGIN and the
@@ -396,6 +400,7 @@ class SqlStore:
 
     # --- lifecycle
 
+    @_store_op
     async def aclose(self) -> None:
         await self._engine.dispose()
 
@@ -744,6 +749,26 @@ def _sqlite_on_connect(dbapi_connection: Any, _connection_record: Any) -> None:
         cursor.close()
 
 
+def _skip_idle_sqlite_rollbacks(engine: AsyncEngine) -> None:
+    """Save one aiosqlite thread round trip on every read.
+
+    SQLAlchemy rolls back every connection it releases. After a plain SELECT, pysqlite
+    has no transaction open (it only begins one before a write), so that ROLLBACK is a
+    no-op that still costs a hop to the connection's thread. aiosqlite reports
+    `in_transaction` without a hop; skip the call when there is nothing to roll back.
+    """
+    dialect = engine.sync_engine.dialect
+    original = dialect.do_rollback
+
+    def do_rollback(dbapi_connection: Any) -> None:
+        driver = getattr(dbapi_connection, "driver_connection", None)
+        if driver is not None and getattr(driver, "in_transaction", True) is False:
+            return
+        original(dbapi_connection)
+
+    setattr(dialect, "do_rollback", do_rollback)  # noqa: B010 - per-engine override
+
+
 def _existing_sqlite_file(database: str) -> Path | None:
     path = Path(os.path.expanduser(database))
     return path if path.is_file() else None
@@ -769,6 +794,7 @@ async def open_store(url: str) -> SqlStore:
             json_serializer=_dumps,
         )
         event.listen(engine.sync_engine, "connect", _sqlite_on_connect)
+        _skip_idle_sqlite_rollbacks(engine)
     else:
         engine = create_async_engine(
             target,
@@ -787,4 +813,4 @@ if TYPE_CHECKING:
         return store  # mypy checks every method signature against the Protocol here
 
 
-__all__ = ["SqlStore", "open_store"]
+__all__ = ("SqlStore", "open_store")

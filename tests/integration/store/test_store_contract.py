@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import select, true
 
 from sandgate.errors import IdempotencyConflictError, StoreError
 from sandgate.store.base import (
@@ -27,6 +28,7 @@ from sandgate.store.base import (
     WorkerName,
 )
 from sandgate.store.migrate import check_current, head_revision, upgrade
+from sandgate.store.schema import sandboxes
 from sandgate.store.sql import SqlStore, open_store
 
 pytestmark = pytest.mark.anyio
@@ -306,6 +308,33 @@ async def test_list_metadata_filter_handles_odd_keys(store: SqlStore, key: str) 
     await create(store, sandbox("other-tenant", "t2", metadata={key: value}))
     got = await store.list_sandboxes(TenantId("t1"), SandboxFilter(metadata={key: value}))
     assert names(got) == ["hit"]
+
+
+async def test_metadata_filter_is_exact_in_sql(store: SqlStore) -> None:
+    # White-box: the SQL condition alone must already select exactly the right rows for
+    # every odd key, so the Python re-check is a safety net, not the filter.
+    for i, key in enumerate(ODD_KEYS):
+        await create(store, sandbox(f"hit-{i:02d}", metadata={key: "v"}))
+        await create(store, sandbox(f"miss-{i:02d}", metadata={key: "v2", "v": key}))
+    async with store.engine.connect() as conn:
+        for i, key in enumerate(ODD_KEYS):
+            stmt = select(sandboxes.c.name).where(store._metadata_condition(key, "v"))
+            assert (await conn.execute(stmt)).scalars().all() == [f"hit-{i:02d}"], key
+
+
+async def test_python_recheck_drops_rows_sql_let_through(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Simulate a metadata condition the database did not apply: listing must still be
+    # exact, and a page that lost rows to the re-check keeps scanning to fill up.
+    monkeypatch.setattr(store, "_metadata_condition", lambda key, value: true())
+    for i in range(9):
+        await create(store, sandbox(f"r-{i}", metadata={"keep": "yes" if i % 3 == 0 else "no"}))
+    where = SandboxFilter(metadata={"keep": "yes"}, limit=2)
+    first = await store.list_sandboxes(TenantId("t1"), where)
+    assert names(first) == ["r-0", "r-3"]
+    rest = await store.list_sandboxes(TenantId("t1"), replace(where, after=first[-1].name))
+    assert names(rest) == ["r-6"]
 
 
 async def test_list_metadata_filters_all_must_match(store: SqlStore) -> None:
