@@ -1,0 +1,70 @@
+"""RpcChannel on an in-memory link: two real channels talking to each other."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sandgate.agent.frames import Header, decode
+from sandgate.errors import NotFoundError, SandboxTimeoutError, TunnelUnavailableError
+from sandgate.tunnel.rpc import RpcChannel
+
+
+def link() -> tuple[asyncio.Queue[bytes | None], asyncio.Queue[bytes | None]]:
+    return asyncio.Queue(), asyncio.Queue()
+
+
+def reader(queue: asyncio.Queue[bytes | None]):  # type: ignore[no-untyped-def]
+    async def frames() -> tuple[Header, bytes] | None:
+        data = await queue.get()
+        return None if data is None else decode(data)
+
+    return frames
+
+
+async def handler(header: Header, payload: bytes) -> tuple[Header, bytes]:
+    if header["op"] == "echo":
+        return {"n": header["n"]}, payload[::-1]
+    if header["op"] == "slow":
+        await asyncio.sleep(header["s"])
+        return {}, b""
+    raise NotFoundError("no such thing")
+
+
+def test_calls_both_ways_concurrently_and_errors() -> None:
+    async def main() -> None:
+        a_to_b, b_to_a = link()
+        events: list[Header] = []
+
+        async def on_event(header: Header, payload: bytes) -> None:
+            events.append(header)
+
+        a = RpcChannel(a_to_b.put, handler=handler, name="a")
+        b = RpcChannel(b_to_a.put, handler=handler, on_event=on_event, name="b")
+        serve_a = asyncio.create_task(a.serve(reader(b_to_a)))
+        serve_b = asyncio.create_task(b.serve(reader(a_to_b)))
+        answers = await asyncio.gather(*(a.call("echo", bytes([i]) * 3, n=i) for i in range(50)))
+        assert [h["n"] for h, _ in answers] == list(range(50))
+        header, body = await b.call("echo", b"abc", n=1)
+        assert header["n"] == 1
+        assert body == b"cba"
+        with pytest.raises(NotFoundError, match="no such thing"):
+            await a.call("missing")
+        with pytest.raises(SandboxTimeoutError):
+            await a.call("slow", wait=0.05, s=1.0)
+        await a.event("hello", name="x")
+        await asyncio.sleep(0.01)
+        assert events == [{"event": "hello", "name": "x"}]
+        # the link ends: waiting calls fail, later calls fail at once
+        pending = asyncio.create_task(a.call("slow", s=5))
+        await asyncio.sleep(0.01)
+        await b_to_a.put(None)
+        with pytest.raises(TunnelUnavailableError):
+            await pending
+        with pytest.raises(TunnelUnavailableError):
+            await a.call("echo", n=1)
+        await a_to_b.put(None)
+        await asyncio.gather(serve_a, serve_b)
+
+    asyncio.run(main())
