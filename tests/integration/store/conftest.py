@@ -23,7 +23,7 @@ from sqlalchemy import make_url
 from sandgate.store.migrate import upgrade
 from sandgate.store.sql import SqlStore, open_store
 
-TEMPLATE_DB = "sandgate_test_template"
+TEMPLATE_DB = f"sandgate_test_template_{uuid.uuid4().hex[:8]}"  # one per session
 
 T = TypeVar("T")
 
