@@ -26,7 +26,7 @@ def make_server(settings: ServerSettings, *, own_signals: bool) -> uvicorn.Serve
         port=settings.port,
         loop="uvloop",
         http="httptools",
-        ws="websockets",
+        ws="websockets-sansio",
         ws_max_size=16 << 20,
         ws_ping_interval=10,
         ws_ping_timeout=30,

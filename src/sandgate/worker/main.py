@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import hashlib
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -56,12 +59,38 @@ def install_agent(agent_dir: Path) -> None:
         os.chmod(agent_dir / "__pycache__", 0o755)
 
 
+def runtime_scope(name: str, state_dir: Path) -> str:
+    """The name the runtime files host resources under (cgroups): unique per (name, state dir).
+
+    Two workers on one host never share it, so one's crash cleanup cannot touch the other's
+    sandboxes, and it is stable across restarts, so leftovers of a crash are found again.
+    """
+    slug = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:40] or "worker"
+    digest = hashlib.sha256(f"{state_dir.resolve()}\0{name}".encode()).hexdigest()[:8]
+    return f"{slug}-{digest}"
+
+
+def lock_state_dir(state_dir: Path) -> int:
+    """Hold an exclusive lock on the worker's state dir for the life of the process."""
+    fd = os.open(state_dir / "worker.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SystemExit(
+            f"another worker is running with state dir {state_dir}; "
+            "give this one another --name or --state-dir"
+        ) from None
+    return fd
+
+
 def make_runtime(settings: WorkerSettings, state_dir: Path, agent_dir: Path) -> Runtime:
+    scope = runtime_scope(settings.name, state_dir)
     if settings.runtime == "bwrap":
         from sandgate.worker.runtime.bwrap import BwrapRuntime
 
         return BwrapRuntime(
-            state_dir, agent_dir, worker_name=settings.name, allow_network=settings.allow_network
+            state_dir, agent_dir, worker_name=scope, allow_network=settings.allow_network
         )
     if settings.runtime == "process":
         from sandgate.worker.runtime.process import ProcessRuntime
@@ -70,7 +99,7 @@ def make_runtime(settings: WorkerSettings, state_dir: Path, agent_dir: Path) -> 
             "runtime.unisolated: the process runtime gives NO isolation; development only",
             extra={"worker": settings.name},
         )
-        return ProcessRuntime(state_dir, agent_dir, worker_name=settings.name)
+        return ProcessRuntime(state_dir, agent_dir, worker_name=scope)
     raise ValueError(f"unknown runtime {settings.runtime!r}; use bwrap or process")
 
 
@@ -79,6 +108,7 @@ async def run_worker(settings: WorkerSettings) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
     for directory in (settings.state_dir, state_dir):
         os.chmod(directory, 0o711)  # sandbox uids must traverse to their workspace
+    lock_fd = lock_state_dir(state_dir)  # noqa: F841 - held open until the process exits
     agent_dir = state_dir / "agent"
     install_agent(agent_dir)
     runtime = make_runtime(settings, state_dir, agent_dir)
