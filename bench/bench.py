@@ -109,13 +109,8 @@ async def baseline_agent(runtime_name: str, n: int, state_dir: Path) -> list[flo
 
 def pss_of_sandboxes(state_dir: Path, worker: str) -> tuple[float, int] | None:
     """Mean PSS (MiB) of the processes of each sandbox, read from its cgroup."""
-    base = Path("/sys/fs/cgroup/pids/sandgate") / worker
-    if not base.exists():
-        return None
     totals = []
-    for group in base.iterdir():
-        if not group.is_dir():
-            continue
+    for group in Path("/sys/fs/cgroup/pids").glob(f"**/sandgate/{worker}-*/sbx-*"):
         kib = 0
         for pid in (group / "cgroup.procs").read_text().split():
             try:
