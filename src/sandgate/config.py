@@ -18,6 +18,7 @@ class ServerSettings(_Frozen):
     node_url: str | None = None  # reachable by peers; what this instance writes in tunnel_owners
     secret: str = ""  # shared by every instance (tokens, internal signatures)
     # sandboxes
+    templates: tuple[str, ...] = ("default",)  # what `template` may name
     default_timeout: float = 300.0  # seconds of life when a create names none
     max_timeout: float = 24 * 3600.0
     start_timeout: float = 30.0  # provision must answer within this

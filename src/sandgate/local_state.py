@@ -141,8 +141,9 @@ STATE_TABLE: dict[str, StateRow] = {
         "per-host facts",
     ),
     "agent": StateRow(
-        "the in-sandbox agent's open file handles, running exec groups, interpreter paths",
-        "64 handles; the sandbox's processes",
+        "the in-sandbox agent's open file handles, exec process groups, background processes "
+        "and terminals with their output buffers",
+        "64 handles; 256 processes/terminals with at most 1 MiB of output each",
         "per-sandbox by nature: one agent process per sandbox, gone with it",
     ),
 }

@@ -20,11 +20,11 @@ from sandgate.local_state import (
 SRC = Path(__file__).resolve().parents[2] / "src" / "sandgate"
 # The in-sandbox agent is its own process per sandbox (standard library only, it cannot import
 # local_state); its state is one row, "agent".
-AGENT = SRC / "agent" / "main.py"
+AGENT_PROCESS = (SRC / "agent" / "main.py", SRC / "agent" / "procs.py")
 
 
 def sources() -> list[Path]:
-    return [p for p in SRC.rglob("*.py") if p != AGENT]
+    return [p for p in SRC.rglob("*.py") if p not in AGENT_PROCESS]
 
 
 MUTABLE_CALLS = {

@@ -7,8 +7,9 @@ run by the sandbox's system Python with the standard library only:
     /usr/bin/python3 -I -S /opt/sandgate/agent.py --workspace /workspace --tmp /tmp
 
 Startup is on the sandbox-create latency path and one agent idles in every sandbox, so only
-cheap modules are imported here; subprocess, selectors and shutil are imported on first use
-and ctypes (malloc tuning) just after the ready event.
+cheap modules are imported here; subprocess, selectors, shutil and procs.py (background
+processes and terminals) are imported on first use and ctypes (malloc tuning) just after the
+ready event.
 Each request runs on a daemon thread of its own, except that the operations on one handle run
 one after another in arrival order; stderr is the agent's log.
 """
@@ -24,14 +25,14 @@ import stat
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 if TYPE_CHECKING:
     import subprocess
     from collections.abc import Callable
     from types import FrameType
 
-    from sandgate.agent import frames
+    from sandgate.agent import frames, procs
 else:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import frames
@@ -42,6 +43,7 @@ EXEC_PATH = "/usr/local/bin:/usr/bin:/bin"
 EXEC_DEFAULT_TIMEOUT = 30.0
 EXEC_EXIT_GRACE = 0.1  # seconds of output still read after the command itself exited
 EXEC_TIMEOUT_EXIT_CODE = 124
+INLINE_CODE_BYTES = 64 << 10  # larger programs are read from a pipe, not argv
 READ_CHUNK = 64 << 10
 MAX_READ_LENGTH = 4 << 20
 MAX_HANDLES = 64
@@ -597,17 +599,48 @@ def op_exec(req: Header, payload: bytes) -> tuple[Header, bytes]:
     interpreter = _INTERPRETERS.get(language)
     if interpreter is None:
         raise AgentError("invalid_request", f"'language' must be one of {sorted(_INTERPRETERS)}")
-    code = _str_field(req, "code")
+    if "code" in req:
+        code = _str_field(req, "code")
+    else:  # large programs travel as the payload, UTF-8
+        try:
+            code = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            raise AgentError("invalid_request", "the code payload is not UTF-8") from None
+        if not code:
+            raise AgentError("invalid_request", "'code' is empty")
     if "\x00" in code:
         raise AgentError("invalid_request", "'code' contains a NUL byte")
     timeout = _exec_timeout(req)
     env = _exec_env(req)
     cwd = _exec_cwd(req)
-    argv = [_which(interpreter[0]), interpreter[1], code]
-    return _run(argv, cwd, env, timeout)
+    program = _which(interpreter[0])
+    if len(code.encode()) <= INLINE_CODE_BYTES:
+        return _run([program, interpreter[1], code], cwd, env, timeout)
+    # past the kernel's limit on one argument (128 KiB), the interpreter reads the program
+    # from a pipe that a thread fills
+    read_end, write_end = os.pipe()
+    feeder = threading.Thread(target=_feed, args=(write_end, code.encode()), daemon=True)
+    try:
+        feeder.start()
+        return _run([program, f"/dev/fd/{read_end}"], cwd, env, timeout, pass_fds=(read_end,))
+    finally:
+        os.close(read_end)
 
 
-def _spawn(argv: list[str], cwd: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+def _feed(fd: int, data: bytes) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError:
+        pass  # the interpreter stopped reading (it exited or was killed)
+    finally:
+        os.close(fd)
+
+
+def _spawn(
+    argv: list[str], cwd: str, env: dict[str, str], pass_fds: tuple[int, ...] = ()
+) -> subprocess.Popen[bytes]:
     import subprocess
 
     with _groups_lock:  # so that shutdown never misses a group being started
@@ -622,6 +655,7 @@ def _spawn(argv: list[str], cwd: str, env: dict[str, str]) -> subprocess.Popen[b
             cwd=cwd,
             env=env,
             start_new_session=True,
+            pass_fds=pass_fds,
         )
         _groups.add(proc.pid)
     return proc
@@ -643,9 +677,11 @@ def _killpg(pgid: int) -> None:
         pass
 
 
-def _run(argv: list[str], cwd: str, env: dict[str, str], timeout: float) -> tuple[Header, bytes]:
+def _run(
+    argv: list[str], cwd: str, env: dict[str, str], timeout: float, pass_fds: tuple[int, ...] = ()
+) -> tuple[Header, bytes]:
     started = time.monotonic()
-    proc = _spawn(argv, cwd, env)
+    proc = _spawn(argv, cwd, env, pass_fds)
     out, err = _Capture(), _Capture()
     try:
         timed_out = _collect(proc, out, err, started + timeout)
@@ -747,6 +783,43 @@ def _pidfd_open(pid: int) -> int | None:
     return fd
 
 
+# --------------------------------------------------------------------------- procs
+
+_PROC_OPS = (
+    "proc_start",
+    "proc_list",
+    "proc_read",
+    "proc_stdin",
+    "proc_signal",
+    "pty_open",
+    "pty_read",
+    "pty_write",
+    "pty_resize",
+    "pty_close",
+)
+_registry: procs.Registry | None = None  # created by the first proc_*/pty_* request
+_registry_lock = threading.RLock()  # re-entered when a signal arrives during shutdown
+
+
+def _proc_registry() -> procs.Registry:
+    global _registry
+    with _registry_lock:
+        if _closing:
+            raise AgentError("io_error", "the agent is shutting down")
+        if _registry is None:
+            module = __import__("procs")  # procs.py, next to this file
+            _registry = cast(
+                "procs.Registry",
+                module.Registry(error=AgentError, env=_exec_env, cwd=_exec_cwd, which=_which),
+            )
+        return _registry
+
+
+def op_procs(req: Header, payload: bytes) -> tuple[Header, bytes]:
+    """Every proc_* and pty_* operation: see procs.py."""
+    return _proc_registry().handle(str(req.get("op")), req, payload)
+
+
 # --------------------------------------------------------------------------- dispatch
 
 HANDLERS: dict[str, Callable[[Header, bytes], tuple[Header, bytes]]] = {
@@ -763,6 +836,7 @@ HANDLERS: dict[str, Callable[[Header, bytes], tuple[Header, bytes]]] = {
     "open_read": op_open_read,
     "read": op_read,
     "close_read": op_close_read,
+    **dict.fromkeys(_PROC_OPS, op_procs),
 }
 
 
@@ -793,45 +867,53 @@ def _serve(request_id: int, req: Header, payload: bytes) -> None:
 
 
 # Operations on one handle run in arrival order (a worker may pipeline the writes of an
-# upload): they go through a per-handle queue drained by one thread at a time.
+# upload), and so do the writes to one background process or terminal (typed keys): they go
+# through a per-handle or per-pid queue drained by one thread at a time.
 _HANDLE_OPS = frozenset({"write", "read", "close_write", "close_read"})
-_queues: dict[int, list[tuple[int, Header, bytes]]] = {}
+_PID_OPS = frozenset({"proc_stdin", "pty_write", "pty_resize", "pty_close"})
+_queues: dict[tuple[str, int], list[tuple[int, Header, bytes]]] = {}
 _queues_lock = threading.Lock()
 
 
 def _dispatch(request_id: int, req: Header, payload: bytes) -> None:
     """Called on the reading thread: start the request on a thread of its own."""
-    hid = req.get("handle") if req.get("op") in _HANDLE_OPS else None
-    if not isinstance(hid, int) or isinstance(hid, bool):
+    op = req.get("op")
+    field = "handle" if op in _HANDLE_OPS else "pid" if op in _PID_OPS else None
+    value = req.get(field) if field is not None else None
+    if field is None or not isinstance(value, int) or isinstance(value, bool):
         threading.Thread(target=_serve, args=(request_id, req, payload), daemon=True).start()
         return
+    key = (field, value)
     with _queues_lock:
-        queue = _queues.get(hid)
-        if queue is not None:  # a thread is draining this handle's queue
+        queue = _queues.get(key)
+        if queue is not None:  # a thread is draining this queue
             queue.append((request_id, req, payload))
             return
-        _queues[hid] = [(request_id, req, payload)]
-    threading.Thread(target=_drain, args=(hid,), daemon=True).start()
+        _queues[key] = [(request_id, req, payload)]
+    threading.Thread(target=_drain, args=(key,), daemon=True).start()
 
 
-def _drain(hid: int) -> None:
+def _drain(key: tuple[str, int]) -> None:
     while True:
         with _queues_lock:
-            queue = _queues[hid]
+            queue = _queues[key]
             if not queue:
-                del _queues[hid]
+                del _queues[key]
                 return
             item = queue.pop(0)
         _serve(*item)
 
 
 def _shutdown(status: int) -> None:
-    """Kill every process group started by exec, drop unfinished uploads, exit."""
+    """Kill every process group started by exec or procs, drop unfinished uploads, exit."""
     global _closing
     with _groups_lock:
         _closing = True
         for pgid in list(_groups):
             _killpg(pgid)
+    with _registry_lock:
+        if _registry is not None:
+            _registry.shutdown()
     with _handles_lock:
         for handle in _handles.values():
             if handle.temp:

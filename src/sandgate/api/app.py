@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from sandgate.api import errors
 from sandgate.api.deps import Services
 from sandgate.api.limits import BodyLimit
-from sandgate.api.routes import files, sandboxes, system
+from sandgate.api.routes import files, processes, pty, sandboxes, system
 from sandgate.config import ServerSettings
 from sandgate.control.reaper import Reaper
 from sandgate.control.sandboxes import SandboxService
@@ -54,8 +54,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
     errors.install(app)
     app.include_router(sandboxes.router)
     app.include_router(files.router)
+    app.include_router(processes.router)
+    app.include_router(pty.router)
     app.include_router(system.router)
     app.add_middleware(
-        BodyLimit, max_bytes=settings.max_json_bytes, streaming_suffixes=("/toolbox/files",)
+        BodyLimit,
+        max_bytes=settings.max_json_bytes,
+        streaming_suffixes=("/toolbox/files", "/stdin"),
     )
     return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Any, Literal
 
@@ -20,13 +21,26 @@ class Resources(_In):
     pids: int = Field(default=256, ge=8, le=100_000)
 
 
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
+MAX_MAP_BYTES = 64 << 10  # all keys and values of one metadata or env map together
+
+
 def _check_str_map(value: dict[str, str], what: str, max_items: int = 64) -> dict[str, str]:
     if len(value) > max_items:
         raise ValueError(f"{what} takes at most {max_items} entries")
     for key, item in value.items():
         if not key or len(key) > 256 or len(item) > 8192 or "\x00" in key + item:
             raise ValueError(f"{what} keys must be 1-256 characters, values at most 8192, no NUL")
+    if sum(len(k) + len(v) for k, v in value.items()) > MAX_MAP_BYTES:
+        raise ValueError(f"{what} holds at most {MAX_MAP_BYTES // 1024} KiB in all")
     return value
+
+
+def _check_env(value: dict[str, str]) -> dict[str, str]:
+    for key in value:
+        if not ENV_NAME.match(key):
+            raise ValueError(f"env name {key!r} must match [A-Za-z_][A-Za-z0-9_]*")
+    return _check_str_map(value, "env", max_items=256)
 
 
 class CreateSandbox(_In):
@@ -48,10 +62,7 @@ class CreateSandbox(_In):
     @field_validator("env")
     @classmethod
     def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        for key in value:
-            if "=" in key:
-                raise ValueError("env names must not contain '='")
-        return _check_str_map(value, "env", max_items=256)
+        return _check_env(value)
 
 
 class SandboxOut(BaseModel):
@@ -88,7 +99,7 @@ class Execute(_In):
     @field_validator("env")
     @classmethod
     def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        return _check_str_map(value, "env", max_items=256)
+        return _check_env(value)
 
 
 class ExecuteOut(BaseModel):
@@ -123,6 +134,71 @@ class Move(_In):
     source: str = Field(min_length=1, max_length=4096)
     destination: str = Field(min_length=1, max_length=4096)
     overwrite: bool = False
+
+
+class StartProcess(_In):
+    command: str = Field(min_length=1, max_length=1 << 20)
+    cwd: str = Field(default="/workspace", min_length=1, max_length=4096)
+    env: dict[str, str] = Field(default_factory=dict)
+    timeout: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        return _check_env(value)
+
+
+class ProcessOut(BaseModel):
+    pid: int
+    command: str
+    state: Literal["running", "exited"]
+    exit_code: int | None
+    started_at: datetime
+    exited_at: datetime | None = None
+
+
+class ProcessList(BaseModel):
+    processes: list[ProcessOut]
+
+
+SIGNALS = (
+    "SIGTERM",
+    "SIGKILL",
+    "SIGINT",
+    "SIGHUP",
+    "SIGQUIT",
+    "SIGUSR1",
+    "SIGUSR2",
+    "SIGSTOP",
+    "SIGCONT",
+    "SIGWINCH",
+)
+
+
+class Signal(_In):
+    signal: str = Field(default="SIGTERM", description=f"one of {', '.join(SIGNALS)}")
+
+    @field_validator("signal")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        name = value.upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        if name not in SIGNALS:
+            raise ValueError(f"unknown signal {value!r}; use one of {', '.join(SIGNALS)}")
+        return name
+
+
+class Written(BaseModel):
+    written: int
+
+
+class PtyToken(_In):
+    ttl: float = Field(default=60.0, gt=0, le=600)
+
+
+class PtyTokenOut(BaseModel):
+    token: str
+    expires_at: datetime
 
 
 class ErrorBody(BaseModel):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -72,17 +71,23 @@ def keys_create(
     worker: Annotated[
         bool, typer.Option("--worker", envvar="SANDGATE_WORKER", help="a worker token")
     ] = False,
+    name: Annotated[
+        str,
+        typer.Option(
+            "--name", envvar="SANDGATE_NAME", help="worker name the token is for (else its first)"
+        ),
+    ] = "",
     log_level: LogOpt = "WARNING",
 ) -> None:
-    """Print a new tenant API key (--tenant NAME) or worker token (--worker)."""
+    """Print a new tenant API key (--tenant NAME) or worker token (--worker [--name N])."""
     logs.setup(log_level)
     if (tenant is None) == (not worker):
         raise typer.BadParameter("give exactly one of --tenant NAME or --worker")
-    key = asyncio.run(_create_key(db, tenant))
+    key = asyncio.run(_create_key(db, tenant, name))
     typer.echo(key)
 
 
-async def _create_key(db: str, tenant: str | None) -> str:
+async def _create_key(db: str, tenant: str | None, worker_name: str = "") -> str:
     from datetime import UTC, datetime
 
     from sandgate.core.credentials import key_hash, new_key
@@ -100,7 +105,9 @@ async def _create_key(db: str, tenant: str | None) -> str:
             )
         else:
             key = new_key("worker")
-            await store.add_api_key(ApiKey(key_hash(key), "worker", None, datetime.now(UTC)))
+            await store.add_api_key(
+                ApiKey(key_hash(key), "worker", None, datetime.now(UTC), label=worker_name)
+            )
         return key
     finally:
         await store.aclose()
@@ -178,8 +185,9 @@ def worker(
         state_dir=state_dir,
         allow_network=allow_network,
     )
-    with _runner() as runner:
-        runner.run(run_worker(settings))
+    # the stock event loop: its subprocess spawn honours close_fds, so no descriptor of the
+    # worker ever reaches a sandbox
+    asyncio.run(run_worker(settings))
 
 
 @app.command()
@@ -221,5 +229,4 @@ def state_table() -> None:
 
 def main() -> None:
     os.umask(0o022)
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     app()

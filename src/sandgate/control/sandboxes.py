@@ -45,6 +45,7 @@ from sandgate.store.base import (
 log = logging.getLogger(__name__)
 
 REPLAY_WAIT = 60.0  # how long a cross-instance replay waits for the first create to finish
+STALE_PENDING_GRACE = 30.0  # past start_timeout, a pending create is abandoned
 
 
 @dataclass(frozen=True)
@@ -216,24 +217,20 @@ class SandboxService:
                 raise UnavailableError("create raced and lost its record; retry") from None
             raise _LostRace(winner) from None
         log.info("sandbox.accepted", extra={"sandbox": name, "worker": session.worker})
-        return await self._deliver(sandbox, job)
+        return await self._deliver(sandbox, job, claim)
 
-    async def _deliver(self, sandbox: Sandbox, job: Job) -> Sandbox:
-        session = self.workers.session_for(sandbox.worker)
+    async def _deliver(self, sandbox: Sandbox, job: Job, claim: IdemClaim | None) -> Sandbox:
         try:
+            session = self.workers.session_for(sandbox.worker)
             await session.channel.call("provision", wait=self.settings.start_timeout, **job.request)
-        except SandgateError as exc:
-            now = utcnow()
-            await self.store.finish_job(job.id, "failed", error=exc.message, now=now)
-            await self.store.set_sandbox_state(
-                sandbox.name, "error", from_states=("pending",), error=exc.message, now=now
-            )
-            log.warning(
-                "sandbox.start_failed", extra={"sandbox": sandbox.name, "error": exc.message}
-            )
-            if isinstance(exc, InvalidRequestError):
+        except BaseException as exc:
+            reason = exc.message if isinstance(exc, SandgateError) else f"{type(exc).__name__}"
+            await asyncio.shield(self._start_failed(sandbox, job, claim, reason))
+            if isinstance(exc, InvalidRequestError | UnavailableError):
                 raise
-            raise WorkerError(f"sandbox {sandbox.name} failed to start: {exc.message}") from exc
+            if not isinstance(exc, Exception):
+                raise
+            raise WorkerError(f"sandbox {sandbox.name} failed to start: {reason}") from exc
         now = utcnow()
         expires_at = now + timedelta(seconds=sandbox.timeout)
         await self.store.finish_job(job.id, "completed", now=now)
@@ -247,6 +244,33 @@ class SandboxService:
         return replace(
             sandbox, state="running", started_at=now, expires_at=expires_at, updated_at=now
         )
+
+    async def _start_failed(
+        self, sandbox: Sandbox, job: Job, claim: IdemClaim | None, reason: str
+    ) -> None:
+        """Record the failure, free the key for a retry, and undo a half-done start."""
+        now = utcnow()
+        log.warning("sandbox.start_failed", extra={"sandbox": sandbox.name, "error": reason})
+        try:
+            await self.store.finish_job(job.id, "failed", error=reason, now=now)
+            await self.store.set_sandbox_state(
+                sandbox.name, "error", from_states=("pending",), error=reason, now=now
+            )
+            if claim is not None:
+                await self.store.release_idempotency(sandbox.tenant_id, claim.digest, sandbox.name)
+        except SandgateError:
+            log.exception("sandbox.start_failure_not_recorded", extra={"sandbox": sandbox.name})
+        # the worker may have finished the start after we stopped waiting
+        await self._destroy_on_worker(sandbox)
+
+    async def fail_stale_pending(self, limit: int = 100) -> int:
+        """Creates whose instance died before finishing: mark them error (nothing runs them)."""
+        before = utcnow() - timedelta(seconds=self.settings.start_timeout + STALE_PENDING_GRACE)
+        stale = await self.store.list_stale_pending(before, limit)
+        for sandbox in stale:
+            await self.stop(sandbox, "error", reason="its create did not finish; create it again")
+            log.warning("sandbox.create_abandoned", extra={"sandbox": sandbox.name})
+        return len(stale)
 
     # -- read --------------------------------------------------------------------------------
     async def get(self, tenant: TenantId, name: str) -> Sandbox:

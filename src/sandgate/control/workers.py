@@ -6,7 +6,12 @@ import logging
 from datetime import UTC, datetime, timedelta
 
 from sandgate.agent.frames import Header
-from sandgate.errors import NetworkUnavailableError, NoCapacityError, TunnelUnavailableError
+from sandgate.errors import (
+    AuthError,
+    NetworkUnavailableError,
+    NoCapacityError,
+    TunnelUnavailableError,
+)
 from sandgate.local_state import ServerLocalState
 from sandgate.store.base import SandboxName, Store, Worker, WorkerName
 from sandgate.tunnel.hub import TunnelSession
@@ -27,11 +32,18 @@ class WorkerRegistry:
     # -- TunnelEvents ---------------------------------------------------------------------
     async def attached(self, session: TunnelSession, hello: Header) -> Header:
         """Record the worker and reconcile what it runs with what the store expects."""
+        if not await self.store.bind_worker_key(session.token_hash, session.worker):
+            raise AuthError(
+                f"this worker token belongs to another worker, not {session.worker!r}; "
+                "create a token per worker (sandgate keys create --worker)"
+            )
         now = utcnow()
         old = self.state.tunnels.get(session.worker)
         self.state.tunnels[session.worker] = session
         if old is not None:
+            log.warning("tunnel.replaced", extra={"worker": session.worker})
             old.channel.close(TunnelUnavailableError("replaced by a newer tunnel"))
+            await old.disconnect()
         worker = WorkerName(session.worker)
         await self.store.upsert_worker(
             Worker(

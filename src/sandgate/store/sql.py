@@ -39,6 +39,7 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    or_,
     select,
     update,
 )
@@ -189,6 +190,26 @@ _SET_STATE_WITH_ERROR = (
     update(sandboxes)
     .where(*_SET_STATE_WHERE)
     .values(state=bindparam("b_state"), error=bindparam("b_error"), updated_at=bindparam("b_now"))
+)
+_SELECT_STALE_PENDING = (
+    select(sandboxes)
+    .where(sandboxes.c.state == "pending", sandboxes.c.created_at < bindparam("b_before"))
+    .order_by(sandboxes.c.created_at, sandboxes.c.name)
+    .limit(bindparam("b_limit"))
+)
+_BIND_WORKER_KEY = (
+    update(api_keys)
+    .where(
+        api_keys.c.key_hash == bindparam("b_key_hash"),
+        api_keys.c.kind == "worker",
+        or_(api_keys.c.label == "", api_keys.c.label == bindparam("b_name")),
+    )
+    .values(label=bindparam("b_name"))
+)
+_RELEASE_IDEMPOTENCY = delete(idempotency_keys).where(
+    idempotency_keys.c.tenant_id == bindparam("b_tenant_id"),
+    idempotency_keys.c.digest == bindparam("b_digest"),
+    idempotency_keys.c.sandbox_name == bindparam("b_sandbox_name"),
 )
 _SET_EXPIRY = (
     update(sandboxes)
@@ -445,6 +466,11 @@ class SqlStore:
             return None
         return _api_key(row)
 
+    @_store_op
+    async def bind_worker_key(self, key_hash: str, name: str) -> bool:
+        """Tie a worker token to the first worker name it registers; later names are refused."""
+        return await self._write(_BIND_WORKER_KEY, {"b_key_hash": key_hash, "b_name": name}) == 1
+
     # --- create
 
     @_store_op
@@ -594,6 +620,21 @@ class SqlStore:
             _COUNT_WORKER_SANDBOXES, {"b_worker": worker, "b_states": list(_LIVE_STATES)}
         )
         return 0 if row is None else int(row[0])
+
+    @_store_op
+    async def release_idempotency(
+        self, tenant_id: TenantId, digest: str, sandbox_name: SandboxName
+    ) -> bool:
+        params = {"b_tenant_id": tenant_id, "b_digest": digest, "b_sandbox_name": sandbox_name}
+        return await self._write(_RELEASE_IDEMPOTENCY, params) == 1
+
+    @_store_op
+    async def list_stale_pending(self, before: datetime, limit: int) -> list[Sandbox]:
+        if limit <= 0:
+            return []
+        rows = await self._fetch_all(_SELECT_STALE_PENDING, {"b_before": before, "b_limit": limit})
+        found = [_sandbox(r) for r in rows]
+        return [sb for sb in found if sb.state == "pending" and sb.created_at < before]
 
     @_store_op
     async def list_expired(self, now: datetime, limit: int) -> list[Sandbox]:

@@ -77,6 +77,9 @@ class TunnelClient:
                     delay = self._reconnect_max  # a bad token will not fix itself quickly
             except (OSError, ConnectionClosed, TimeoutError, FrameError) as exc:
                 log.warning("tunnel.dial_failed", extra={"url": self.url, "error": repr(exc)})
+            except Exception:
+                # whatever went wrong in this session, the worker must keep redialing
+                log.exception("tunnel.session_failed", extra={"url": self.url})
             finally:
                 self.connected.clear()
                 self._on_channel(None)

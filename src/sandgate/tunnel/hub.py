@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from sandgate.agent.frames import FrameError, Header, decode, encode
+from sandgate.errors import AuthError
 from sandgate.tunnel.rpc import RpcChannel
 
 log = logging.getLogger(__name__)
@@ -26,6 +29,8 @@ class TunnelSession:
     capacity: int
     features: dict[str, Any]
     channel: RpcChannel
+    token_hash: str  # the worker token it authenticated with
+    disconnect: Callable[[], Awaitable[None]]  # closes the WebSocket itself
     connected_at: float = field(default_factory=time.time)
     last_heartbeat: float = field(default_factory=time.monotonic)
 
@@ -38,7 +43,28 @@ class TunnelEvents(Protocol):
     async def detached(self, session: TunnelSession) -> None: ...
 
 
-async def serve_tunnel(ws: WebSocket, events: TunnelEvents, *, hello_timeout: float = 10.0) -> None:
+WORKER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+MAX_REPORTED_SANDBOXES = 100_000
+
+
+def parse_hello(hello: Header) -> tuple[str, int, dict[str, Any], list[str]] | None:
+    """The fields of a worker's hello, or None when any is missing or of the wrong type."""
+    name, capacity = hello.get("name"), hello.get("capacity")
+    features, sandboxes = hello.get("features", {}), hello.get("sandboxes", [])
+    if hello.get("event") != "hello" or not isinstance(name, str) or not WORKER_NAME.match(name):
+        return None
+    if type(capacity) is not int or not 1 <= capacity <= 100_000:
+        return None
+    if not isinstance(features, dict) or not isinstance(sandboxes, list):
+        return None
+    if len(sandboxes) > MAX_REPORTED_SANDBOXES or not all(isinstance(n, str) for n in sandboxes):
+        return None
+    return name, capacity, features, sandboxes
+
+
+async def serve_tunnel(
+    ws: WebSocket, events: TunnelEvents, *, token_hash: str, hello_timeout: float = 10.0
+) -> None:
     """Run one worker's tunnel until it closes. The caller has authenticated the token."""
     await ws.accept()
 
@@ -48,14 +74,16 @@ async def serve_tunnel(ws: WebSocket, events: TunnelEvents, *, hello_timeout: fl
     try:
         first = await asyncio.wait_for(ws.receive_bytes(), hello_timeout)
         hello, _ = decode(first)
-    except (TimeoutError, FrameError, WebSocketDisconnect, KeyError) as exc:
+    except (TimeoutError, FrameError, WebSocketDisconnect, KeyError, RuntimeError) as exc:
         log.warning("tunnel.bad_hello", extra={"error": repr(exc)})
         await _close(ws, 1002)
         return
-    name = hello.get("name")
-    if hello.get("event") != "hello" or not isinstance(name, str) or not name:
+    fields = parse_hello(hello)
+    if fields is None:
+        log.warning("tunnel.bad_hello", extra={"keys": sorted(hello)})
         await _close(ws, 1002)
         return
+    name, capacity, features, reported = fields
 
     session_box: list[TunnelSession] = []
 
@@ -63,34 +91,47 @@ async def serve_tunnel(ws: WebSocket, events: TunnelEvents, *, hello_timeout: fl
         await events.event(session_box[0], header)
 
     channel = RpcChannel(send, on_event=on_event, name=f"tunnel {name}")
+
+    async def disconnect() -> None:
+        await _close(ws, 4409)  # replaced by a newer tunnel of the same worker
+
     session = TunnelSession(
         worker=name,
-        capacity=int(hello.get("capacity") or 1),
-        features=dict(hello.get("features") or {}),
+        capacity=capacity,
+        features=features,
         channel=channel,
+        token_hash=token_hash,
+        disconnect=disconnect,
     )
     session_box.append(session)
     try:
-        welcome = await events.attached(session, hello)
+        welcome = await events.attached(session, {**hello, "sandboxes": reported})
+    except AuthError as exc:
+        log.warning("tunnel.refused", extra={"worker": name, "error": exc.message})
+        await _close(ws, 4403)
+        return  # never attached
+
+    async def frames() -> tuple[Header, bytes] | None:
+        try:
+            message = await ws.receive()
+        except (WebSocketDisconnect, RuntimeError):
+            return None
+        if message["type"] == "websocket.disconnect":
+            return None
+        data = message.get("bytes")
+        if data is None:
+            raise FrameError("tunnel frames must be binary")
+        session.last_heartbeat = time.monotonic()
+        return decode(data)
+
+    try:
         await ws.send_bytes(encode({"event": "welcome", **welcome}))
-
-        async def frames() -> tuple[Header, bytes] | None:
-            try:
-                message = await ws.receive()
-            except (WebSocketDisconnect, RuntimeError):
-                return None
-            if message["type"] == "websocket.disconnect":
-                return None
-            data = message.get("bytes")
-            if data is None:
-                raise FrameError("tunnel frames must be binary")
-            session.last_heartbeat = time.monotonic()
-            return decode(data)
-
         await channel.serve(frames)
-    except FrameError as exc:
-        log.warning("tunnel.bad_frame", extra={"worker": name, "error": str(exc)})
+    except* FrameError as group:
+        log.warning("tunnel.bad_frame", extra={"worker": name, "error": str(group.exceptions[0])})
         await _close(ws, 1002)
+    except* (WebSocketDisconnect, RuntimeError, OSError):
+        pass  # the link dropped mid-send: detach below
     finally:
         await asyncio.shield(events.detached(session))
 

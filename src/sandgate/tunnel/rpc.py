@@ -144,10 +144,18 @@ class RpcChannel:
         self._pending.clear()
 
     def _dispatch(self, header: Header, payload: bytes) -> None:
+        # the peer may be hostile (a sandbox's agent runs next to tenant code): check types
+        request_id = header.get("id")
         if "ok" in header:
-            future = self._pending.get(header.get("id"))  # type: ignore[arg-type]
+            if type(request_id) is not int:
+                log.warning("rpc.bad_answer_id", extra={"link": self.name})
+                return
+            future = self._pending.get(request_id)
             if future is not None and not future.done():
                 future.set_result((header, payload))
+            return
+        if type(request_id) is not int and "op" in header:
+            log.warning("rpc.bad_request_id", extra={"link": self.name})
             return
         if "op" in header and self._tasks is not None and self._handler is not None:
             task = self._tasks.create_task(self._answer(header, payload))

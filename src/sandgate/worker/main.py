@@ -43,7 +43,8 @@ def install_agent(agent_dir: Path) -> None:
     """Copy the agent where every sandbox uid can read it (it is bind-mounted read-only)."""
     agent_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(agent_dir, 0o755)
-    for source, target in (("main.py", "sandgate_agent.py"), ("frames.py", "frames.py")):
+    files = (("main.py", "sandgate_agent.py"), ("frames.py", "frames.py"), ("procs.py", "procs.py"))
+    for source, target in files:
         shutil.copyfile(AGENT_SOURCE / source, agent_dir / target)
         os.chmod(agent_dir / target, 0o644)
     (agent_dir / "agent.py").write_text(_LAUNCHER)

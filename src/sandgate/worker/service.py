@@ -130,7 +130,7 @@ class WorkerService:
             return False
         live.stopping = True
         await live.link.close()
-        await self.runtime.stop(live.running)
+        await self._stop(live)
         log.info("sandbox.destroyed", extra={"sandbox": name})
         return True
 
@@ -169,28 +169,39 @@ class WorkerService:
             raise
 
     async def _watch(self, live: LiveSandbox) -> None:
-        """Serve the agent link; if it ends without a destroy, the sandbox died."""
+        """Serve the agent link; if it ends without a destroy, the sandbox died.
+
+        Nothing from here may reach the task group: the agent runs beside tenant code and
+        may send anything; a failure is this sandbox's, never the worker's.
+        """
         try:
             await live.link.serve()
-        finally:
-            if not live.stopping and self.state.sandboxes.get(live.name) is live:
-                self.state.sandboxes.pop(live.name, None)
-                code = live.running.process.returncode
-                log.warning("sandbox.died", extra={"sandbox": live.name, "code": code})
-                await asyncio.shield(self.runtime.stop(live.running))
-                task = asyncio.current_task()
-                shutting_down = task is not None and task.cancelling() > 0
-                if self.notify is not None and not shutting_down:
-                    try:
-                        await asyncio.wait_for(
-                            self.notify(
-                                "sandbox_exited",
-                                {"name": live.name, "reason": f"agent exited (code {code})"},
-                            ),
-                            timeout=5.0,
-                        )
-                    except Exception:
-                        log.warning("sandbox.exit_not_reported", extra={"sandbox": live.name})
+        except Exception:
+            log.exception("sandbox.agent_link_failed", extra={"sandbox": live.name})
+        if live.stopping or self.state.sandboxes.get(live.name) is not live:
+            return
+        self.state.sandboxes.pop(live.name, None)
+        code = live.running.process.returncode
+        log.warning("sandbox.died", extra={"sandbox": live.name, "code": code})
+        await asyncio.shield(self._stop(live))
+        task = asyncio.current_task()
+        if self.notify is None or (task is not None and task.cancelling() > 0):
+            return  # shutting down, or no tunnel: the next hello reports it gone
+        try:
+            await asyncio.wait_for(
+                self.notify(
+                    "sandbox_exited", {"name": live.name, "reason": f"agent exited (code {code})"}
+                ),
+                timeout=5.0,
+            )
+        except Exception:
+            log.warning("sandbox.exit_not_reported", extra={"sandbox": live.name})
+
+    async def _stop(self, live: LiveSandbox) -> None:
+        try:
+            await self.runtime.stop(live.running)
+        except Exception:
+            log.exception("sandbox.stop_failed", extra={"sandbox": live.name})
 
     async def _relay(self, header: Header, payload: bytes) -> tuple[Header, bytes]:
         name = str(header.get("sandbox", ""))

@@ -210,3 +210,19 @@ def test_extend_timeout_and_reaper(alpha: httpx.Client) -> None:
     assert alpha.get(f"/api/v1/sandboxes/{name}").json()["state"] == "running"
     alpha.delete(f"/api/v1/sandboxes/{name}")
     alpha.delete(f"/api/v1/sandboxes/{short}")
+
+
+def test_execute_large_programs(alpha: httpx.Client, sandbox: str) -> None:
+    # past the kernel's 128 KiB limit on one argument, and with characters JSON escapes
+    lines = "\n".join(f"x{i} = {i}  # \x01é" for i in range(40_000))
+    code = lines + "\nprint(x39999)\n"
+    assert len(code.encode()) > 512 << 10
+    out = alpha.post(
+        f"/api/v1/sandboxes/{sandbox}/execute", json={"language": "python", "code": code}
+    )
+    assert out.status_code == 200, out.text
+    assert out.json()["stdout"] == "39999\n"
+    bash = alpha.post(
+        f"/api/v1/sandboxes/{sandbox}/execute", json={"code": "true\n" * 40_000 + "echo done"}
+    )
+    assert bash.json()["stdout"] == "done\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
@@ -16,7 +17,8 @@ from fastapi.responses import StreamingResponse
 from sandgate.api.deps import Services, services, tenant
 from sandgate.api.routes.sandboxes import error_docs
 from sandgate.api.schemas import FileEntry, FileList, MakeDir, Move
-from sandgate.errors import PayloadTooLargeError, SandgateError
+from sandgate.control.replies import EntriesReply, EntryReply, HandleReply, OpenReadReply, parse
+from sandgate.errors import PayloadTooLargeError, SandgateError, WorkerError
 from sandgate.store.base import TenantId
 
 router = APIRouter(prefix="/api/v1/sandboxes/{name}/toolbox/files", tags=["files"])
@@ -29,8 +31,8 @@ PathQuery = Annotated[str, Query(min_length=1, max_length=4096)]
 @router.put("", response_model=FileEntry, responses=error_docs())
 async def upload(name: str, path: PathQuery, request: Request, who: Tenant, svc: Svc) -> Any:
     call = svc.sandboxes.agent_call
-    reply, _ = await call(who, name, {"op": "open_write", "path": path})
-    handle = reply["handle"]
+    raw, _ = await call(who, name, {"op": "open_write", "path": path})
+    handle = parse(HandleReply, raw).handle
     committed = False
     try:
         total = 0
@@ -48,15 +50,15 @@ async def upload(name: str, path: PathQuery, request: Request, who: Tenant, svc:
                 del pending[:chunk]
         if pending:
             await call(who, name, {"op": "write", "handle": handle}, bytes(pending))
-        reply, _ = await call(who, name, {"op": "close_write", "handle": handle, "commit": True})
+        raw, _ = await call(who, name, {"op": "close_write", "handle": handle, "commit": True})
         committed = True
-        return reply["entry"]
+        return parse(EntryReply, raw).entry.model_dump()
     finally:
         if not committed:
             await asyncio.shield(_discard(svc, who, name, handle))
 
 
-async def _discard(svc: Services, who: TenantId, name: str, handle: str) -> None:
+async def _discard(svc: Services, who: TenantId, name: str, handle: int | str) -> None:
     try:
         await svc.sandboxes.agent_call(
             who, name, {"op": "close_write", "handle": handle, "commit": False}
@@ -68,8 +70,9 @@ async def _discard(svc: Services, who: TenantId, name: str, handle: str) -> None
 @router.get("", responses={**error_docs(), 200: {"content": {"application/octet-stream": {}}}})
 async def download(name: str, path: PathQuery, who: Tenant, svc: Svc) -> StreamingResponse:
     call = svc.sandboxes.agent_call
-    reply, _ = await call(who, name, {"op": "open_read", "path": path})
-    handle, size = reply["handle"], int(reply["size"])
+    raw, _ = await call(who, name, {"op": "open_read", "path": path})
+    opened = parse(OpenReadReply, raw)
+    handle, size = opened.handle, opened.size
     chunk = svc.settings.file_chunk_bytes
 
     async def body() -> AsyncIterator[bytes]:
@@ -79,25 +82,29 @@ async def download(name: str, path: PathQuery, who: Tenant, svc: Svc) -> Streami
                 _, data = await call(
                     who, name, {"op": "read", "handle": handle, "length": min(chunk, size - sent)}
                 )
-                if not data:
-                    raise SandgateError(f"{path} shrank while it was being downloaded")
+                if not data or len(data) > size - sent:
+                    raise WorkerError(f"{path} changed size while it was being downloaded")
                 sent += len(data)
                 yield data
         finally:
             await asyncio.shield(_close_read(svc, who, name, handle))
 
     filename = path.rstrip("/").rsplit("/", 1)[-1] or "download"
+    disposition = (
+        f'attachment; filename="{_ascii_name(filename)}"; '
+        f"filename*=UTF-8''{quote(filename, safe='')}"
+    )
     return StreamingResponse(
         body(),
         media_type="application/octet-stream",
         headers={
             "Content-Length": str(size),
-            "Content-Disposition": f'attachment; filename="{_quote(filename)}"',
+            "Content-Disposition": disposition,
         },
     )
 
 
-async def _close_read(svc: Services, who: TenantId, name: str, handle: str) -> None:
+async def _close_read(svc: Services, who: TenantId, name: str, handle: int | str) -> None:
     try:
         await svc.sandboxes.agent_call(who, name, {"op": "close_read", "handle": handle})
     except SandgateError:
@@ -119,29 +126,30 @@ async def remove(
 
 @router.get("/list", response_model=FileList, responses=error_docs())
 async def list_dir(name: str, who: Tenant, svc: Svc, path: PathQuery = "/workspace") -> Any:
-    reply, _ = await svc.sandboxes.agent_call(who, name, {"op": "list", "path": path})
-    return {"entries": reply["entries"]}
+    raw, _ = await svc.sandboxes.agent_call(who, name, {"op": "list", "path": path})
+    return {"entries": [e.model_dump() for e in parse(EntriesReply, raw).entries]}
 
 
 @router.get("/stat", response_model=FileEntry, responses=error_docs())
 async def stat(name: str, path: PathQuery, who: Tenant, svc: Svc) -> Any:
-    reply, _ = await svc.sandboxes.agent_call(who, name, {"op": "stat", "path": path})
-    return reply["entry"]
+    raw, _ = await svc.sandboxes.agent_call(who, name, {"op": "stat", "path": path})
+    return parse(EntryReply, raw).entry.model_dump()
 
 
 @router.post("/mkdir", response_model=FileEntry, status_code=201, responses=error_docs())
 async def mkdir(name: str, body: MakeDir, who: Tenant, svc: Svc) -> Any:
     call = {"op": "mkdir", "path": body.path, "parents": body.parents}
-    reply, _ = await svc.sandboxes.agent_call(who, name, call)
-    return reply["entry"]
+    raw, _ = await svc.sandboxes.agent_call(who, name, call)
+    return parse(EntryReply, raw).entry.model_dump()
 
 
 @router.post("/move", response_model=FileEntry, responses=error_docs())
 async def move(name: str, body: Move, who: Tenant, svc: Svc) -> Any:
     call = {"op": "move", "src": body.source, "dst": body.destination, "overwrite": body.overwrite}
-    reply, _ = await svc.sandboxes.agent_call(who, name, call)
-    return reply["entry"]
+    raw, _ = await svc.sandboxes.agent_call(who, name, call)
+    return parse(EntryReply, raw).entry.model_dump()
 
 
-def _quote(filename: str) -> str:
-    return "".join(c if c.isprintable() and c not in '"\\' else "_" for c in filename)
+def _ascii_name(filename: str) -> str:
+    """The RFC 6266 fallback name: printable ASCII only (the real name is in filename*)."""
+    return "".join(c if " " <= c <= "~" and c not in '"\\' else "_" for c in filename)

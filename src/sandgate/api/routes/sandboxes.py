@@ -17,6 +17,7 @@ from sandgate.api.schemas import (
     SandboxList,
     SandboxOut,
 )
+from sandgate.control.replies import ExecReply, parse
 from sandgate.control.sandboxes import CreateRequest
 from sandgate.core.output import decode_output, split_output
 from sandgate.errors import InvalidRequestError, WorkerError
@@ -62,6 +63,9 @@ async def create_sandbox(
     svc: Svc,
     idempotency_key: Annotated[str | None, Header()] = None,
 ) -> JSONResponse:
+    if body.template not in svc.settings.templates:
+        known = ", ".join(svc.settings.templates)
+        raise InvalidRequestError(f"unknown template {body.template!r}; this server has: {known}")
     timeout = body.timeout if body.timeout is not None else svc.settings.default_timeout
     if timeout > svc.settings.max_timeout:
         raise InvalidRequestError(f"timeout is at most {svc.settings.max_timeout:g} seconds")
@@ -141,24 +145,25 @@ async def _execute(name: str, body: Execute, who: TenantId, svc: Services) -> di
     call = {
         "op": "exec",
         "language": body.language,
-        "code": body.code,
         "timeout": timeout,
         "env": body.env,
         "cwd": body.cwd,
     }
-    reply, payload = await svc.sandboxes.agent_call(who, name, call, seconds=timeout)
-    try:
-        out, err = split_output(payload, int(reply.get("stdout_bytes", 0)))
-    except ValueError:
-        raise WorkerError("the sandbox agent sent a malformed exec answer") from None
+    # the program travels as the frame's payload: no JSON escaping, no header size limit
+    program = body.code.encode()
+    raw, payload = await svc.sandboxes.agent_call(who, name, call, program, seconds=timeout)
+    reply = parse(ExecReply, raw)
+    if reply.stdout_bytes > len(payload):
+        raise WorkerError("the sandbox sent a malformed exec answer")
+    out, err = split_output(payload, reply.stdout_bytes)
     return {
-        "stdout": decode_output(out, bool(reply.get("stdout_truncated"))),
-        "stderr": decode_output(err, bool(reply.get("stderr_truncated"))),
-        "exit_code": int(reply["exit_code"]),
-        "duration_ms": float(reply["duration_ms"]),
-        "timed_out": bool(reply.get("timed_out")),
-        "stdout_truncated": bool(reply.get("stdout_truncated")),
-        "stderr_truncated": bool(reply.get("stderr_truncated")),
+        "stdout": decode_output(out, reply.stdout_truncated),
+        "stderr": decode_output(err, reply.stderr_truncated),
+        "exit_code": reply.exit_code,
+        "duration_ms": reply.duration_ms,
+        "timed_out": reply.timed_out,
+        "stdout_truncated": reply.stdout_truncated,
+        "stderr_truncated": reply.stderr_truncated,
     }
 
 

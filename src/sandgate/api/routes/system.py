@@ -69,4 +69,4 @@ async def tunnel(ws: WebSocket) -> None:
             JSONResponse({"error": {"code": exc.code, "message": exc.message}}, status_code=401)
         )
         return
-    await serve_tunnel(ws, svc.workers)
+    await serve_tunnel(ws, svc.workers, token_hash=key.key_hash)

@@ -33,6 +33,7 @@ from typing import Any
 from sandgate.errors import InvalidRequestError, NetworkUnavailableError, WorkerError
 from sandgate.worker import cgroups, seccomp
 from sandgate.worker.cgroups import CgroupHost, SandboxCgroups
+from sandgate.worker.cleanup import remove_tree
 from sandgate.worker.runtime.base import RunningSandbox, SandboxSpec
 from sandgate.worker.uids import UidLease, UidPool
 
@@ -548,10 +549,4 @@ def _memfd_with(data: bytes) -> int:
 
 
 def _rmtree(path: Path) -> None:
-    try:
-        if path.is_symlink() or not path.is_dir():
-            path.unlink()
-        else:
-            shutil.rmtree(path)
-    except FileNotFoundError:
-        pass
+    remove_tree(path)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from sandgate.errors import WorkerError
+from sandgate.worker.cleanup import remove_tree
 from sandgate.worker.runtime.base import RunningSandbox, SandboxSpec
 from sandgate.worker.runtime.bwrap import check_spec
 
@@ -101,7 +101,7 @@ class ProcessRuntime:
         except OSError as exc:
             raise WorkerError(f"cannot create {self.sandboxes_dir}: {exc}") from exc
         for p in leftovers:
-            await asyncio.to_thread(shutil.rmtree, p, True)
+            await asyncio.to_thread(remove_tree, p)
 
     async def start(self, spec: SandboxSpec, argv: list[str] | None = None) -> RunningSandbox:
         check_spec(spec)
@@ -139,7 +139,7 @@ class ProcessRuntime:
                 start_new_session=True,
             )
         except BaseException as exc:
-            await asyncio.to_thread(shutil.rmtree, sandbox_dir, True)
+            await asyncio.to_thread(remove_tree, sandbox_dir)
             if isinstance(exc, Exception) and not isinstance(exc, WorkerError):
                 raise WorkerError(f"cannot start sandbox {spec.name!r}: {exc}") from exc
             raise
@@ -180,5 +180,5 @@ class ProcessRuntime:
             ) from None
         if process.stdin is not None:
             process.stdin.close()
-        await asyncio.to_thread(shutil.rmtree, sandbox.private["sandbox_dir"], True)
+        await asyncio.to_thread(remove_tree, sandbox.private["sandbox_dir"])
         sandbox.private["stopped"] = True

@@ -1,0 +1,160 @@
+"""PTY terminals over a WebSocket, and the short-lived tokens browsers use to open one."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, WebSocket
+from fastapi.responses import JSONResponse
+from starlette.websockets import WebSocketDisconnect
+
+from sandgate.api.deps import Services, presented_key, resolve_key, services, tenant
+from sandgate.api.errors import status_of
+from sandgate.api.routes.sandboxes import error_docs
+from sandgate.api.schemas import PtyToken, PtyTokenOut
+from sandgate.control.replies import OutputReply, PidReply, parse
+from sandgate.core.tokens import TokenError, sign, verify
+from sandgate.errors import AuthError, SandgateError
+from sandgate.store.base import TenantId
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/api/v1/sandboxes/{name}/toolbox", tags=["pty"])
+
+Tenant = Annotated[TenantId, Depends(tenant)]
+Svc = Annotated[Services, Depends(services)]
+
+PTY_PURPOSE = "pty"
+READ_WAIT = 15.0
+
+
+@router.post("/pty-token", status_code=201, response_model=PtyTokenOut, responses=error_docs())
+async def pty_token(name: str, who: Tenant, svc: Svc, body: PtyToken | None = None) -> Any:
+    await svc.sandboxes.running(who, name)
+    ttl = body.ttl if body is not None else 60.0
+    expires = time.time() + ttl
+    claims = {"purpose": PTY_PURPOSE, "tenant": who, "sandbox": name, "exp": expires}
+    return {
+        "token": sign(svc.settings.secret, claims),
+        "expires_at": datetime.fromtimestamp(expires, UTC),
+    }
+
+
+async def _tenant_for(ws: WebSocket, svc: Services, name: str) -> TenantId:
+    token = ws.query_params.get("token")
+    if token:
+        try:
+            claims = verify(svc.settings.secret, token, now=time.time(), purpose=PTY_PURPOSE)
+        except TokenError as exc:
+            raise AuthError(str(exc)) from None
+        if claims.get("sandbox") != name:
+            raise AuthError("this token is for another sandbox")
+        return TenantId(str(claims["tenant"]))
+    record = await resolve_key(svc, presented_key(ws.headers))
+    if record.kind != "tenant" or record.tenant_id is None:
+        raise AuthError("this is a worker token; the API takes tenant API keys")
+    return record.tenant_id
+
+
+def _size(ws: WebSocket, key: str, default: int) -> int:
+    raw = ws.query_params.get(key)
+    if raw is None:
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+        raise SandgateError(f"{key} must be a number from 1 to 1000", code="invalid_request")
+    return int(raw)
+
+
+@router.websocket("/pty")
+async def pty(ws: WebSocket, name: str) -> None:
+    svc: Services = ws.app.state.services
+    try:
+        who = await _tenant_for(ws, svc, name)
+        cols, rows = _size(ws, "cols", 80), _size(ws, "rows", 24)
+        command = ws.query_params.get("command")
+        call: dict[str, Any] = {"op": "pty_open", "cols": cols, "rows": rows}
+        if command:
+            call["command"] = command
+        raw, _ = await svc.sandboxes.agent_call(who, name, call)
+        pid = parse(PidReply, raw).pid
+    except SandgateError as exc:
+        status = status_of(exc) if status_of(exc) != 500 else 400
+        await ws.send_denial_response(
+            JSONResponse({"error": {"code": exc.code, "message": exc.message}}, status_code=status)
+        )
+        return
+    await ws.accept()
+    log.info("pty.opened", extra={"sandbox": name, "pid": pid})
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            output = tasks.create_task(_pump_output(ws, svc, who, name, pid))
+            tasks.create_task(_pump_input(ws, svc, who, name, pid, output))
+    except* (WebSocketDisconnect, SandgateError) as group:
+        log.info("pty.ended", extra={"sandbox": name, "pid": pid, "why": repr(group.exceptions[0])})
+    finally:
+        with contextlib.suppress(SandgateError):
+            await asyncio.shield(
+                svc.sandboxes.agent_call(who, name, {"op": "pty_close", "pid": pid})
+            )
+        with contextlib.suppress(Exception):
+            await ws.close(1000)
+
+
+async def _pump_output(ws: WebSocket, svc: Services, who: TenantId, name: str, pid: int) -> None:
+    offset = 0
+    while True:
+        call = {"op": "pty_read", "pid": pid, "offset": offset, "wait": READ_WAIT}
+        raw, payload = await svc.sandboxes.agent_call(who, name, call, seconds=READ_WAIT + 5)
+        reply = parse(OutputReply, raw)
+        if payload:
+            await ws.send_bytes(payload)
+        offset = max(offset + len(payload), reply.next_offset)
+        if reply.exited:
+            await ws.send_text(json.dumps({"type": "exit", "exit_code": reply.exit_code}))
+            return
+
+
+async def _pump_input(
+    ws: WebSocket,
+    svc: Services,
+    who: TenantId,
+    name: str,
+    pid: int,
+    output: asyncio.Task[None],
+) -> None:
+    while not output.done():
+        receive = asyncio.ensure_future(ws.receive())
+        done, _ = await asyncio.wait({receive, output}, return_when=asyncio.FIRST_COMPLETED)
+        if receive not in done:
+            receive.cancel()
+            return  # the shell exited
+        message = receive.result()
+        if message["type"] == "websocket.disconnect":
+            output.cancel()
+            return
+        data = message.get("bytes")
+        if data:
+            await svc.sandboxes.agent_call(who, name, {"op": "pty_write", "pid": pid}, data)
+            continue
+        text = message.get("text")
+        if text:
+            await _control(svc, who, name, pid, text)
+
+
+async def _control(svc: Services, who: TenantId, name: str, pid: int, text: str) -> None:
+    try:
+        message = json.loads(text)
+        if message.get("type") != "resize":
+            return
+        cols, rows = int(message["cols"]), int(message["rows"])
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return  # not a control message we know: ignore, as terminals ignore unknown sequences
+    if 1 <= cols <= 1000 and 1 <= rows <= 1000:
+        call = {"op": "pty_resize", "pid": pid, "cols": cols, "rows": rows}
+        await svc.sandboxes.agent_call(who, name, call)
