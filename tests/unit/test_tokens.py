@@ -15,7 +15,7 @@ def test_round_trip_and_refusals() -> None:
         verify("other", token, now=1, purpose="pty")
     with pytest.raises(TokenError, match="not for this use"):
         verify("s3cret", token, now=1, purpose="files")
-    body, mac = token.split(".")
+    _body, mac = token.split(".")
     forged = sign("x", {"purpose": "pty", "exp": 10**12, "sandbox": "sbx-b", "tenant": "t"})
     with pytest.raises(TokenError):
         verify("s3cret", forged.split(".")[0] + "." + mac, now=1, purpose="pty")

@@ -19,6 +19,7 @@ from sandgate.control.sandboxes import SandboxService
 from sandgate.control.workers import WorkerRegistry
 from sandgate.errors import TunnelUnavailableError
 from sandgate.local_state import ServerLocalState
+from sandgate.store.instance_lock import hold_instance_lock, release_instance_lock
 from sandgate.store.sql import open_store
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 def create_app(settings: ServerSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        instance_lock = hold_instance_lock(settings.db_url)
         store = await open_store(settings.db_url)
         state = ServerLocalState()
         node_url = settings.node_url or f"http://{settings.host}:{settings.port}"
@@ -44,6 +46,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             for session in list(state.tunnels.values()):
                 session.channel.close(TunnelUnavailableError("server shutting down"))
             await store.aclose()
+            release_instance_lock(instance_lock)
 
     app = FastAPI(
         title="sandgate",

@@ -113,6 +113,18 @@ async def _create_key(db: str, tenant: str | None, worker_name: str = "") -> str
         await store.aclose()
 
 
+def _refuse_second_sqlite_instance(db: str) -> None:
+    """Fail fast, before touching the file; the server itself holds the lock while it runs."""
+    from sandgate.errors import ConflictError
+    from sandgate.store.instance_lock import hold_instance_lock, release_instance_lock
+
+    try:
+        release_instance_lock(hold_instance_lock(db))
+    except ConflictError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(1) from None
+
+
 def _read_secret(secret_file: Path | None) -> str:
     if secret_file is None:
         return secrets.token_urlsafe(32)
@@ -132,6 +144,10 @@ def server(
         Path | None,
         typer.Option(envvar="SANDGATE_SECRET_FILE", help="shared secret of all instances"),
     ] = None,
+    start_timeout: Annotated[
+        float,
+        typer.Option(envvar="SANDGATE_START_TIMEOUT", help="seconds a sandbox may take to start"),
+    ] = 30.0,
     log_level: LogOpt = "INFO",
 ) -> None:
     """Run one API instance."""
@@ -139,10 +155,16 @@ def server(
     from sandgate.config import ServerSettings
 
     logs.setup(log_level)
+    _refuse_second_sqlite_instance(db)
     with _runner() as runner:
         runner.run(_prepare_db(db))
     settings = ServerSettings(
-        db_url=db, host=host, port=port, node_url=node_url, secret=_read_secret(secret_file)
+        db_url=db,
+        host=host,
+        port=port,
+        node_url=node_url,
+        secret=_read_secret(secret_file),
+        start_timeout=start_timeout,
     )
     make_server(settings, own_signals=True).run()
 
@@ -208,6 +230,8 @@ def up(
     from sandgate.cli.up import run_up
 
     logs.setup(log_level)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    _refuse_second_sqlite_instance(f"sqlite:///{(data_dir / 'sandgate.db').resolve()}")
     code = run_up(
         port=port,
         host=host,

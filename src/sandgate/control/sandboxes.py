@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 REPLAY_WAIT = 60.0  # how long a cross-instance replay waits for the first create to finish
 STALE_PENDING_GRACE = 30.0  # past start_timeout, a pending create is abandoned
+DESTROY_WAIT = 10.0  # then the worker's next heartbeat reconciles what it still runs
 
 
 @dataclass(frozen=True)
@@ -322,7 +323,7 @@ class SandboxService:
         if session is None:
             return  # the worker removes it when it reconnects (it is unknown by then)
         try:
-            await session.channel.call("destroy", wait=30.0, name=sandbox.name)
+            await session.channel.call("destroy", wait=DESTROY_WAIT, name=sandbox.name)
         except SandgateError as exc:
             log.warning(
                 "sandbox.destroy_failed", extra={"sandbox": sandbox.name, "error": exc.message}

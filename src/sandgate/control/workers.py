@@ -68,6 +68,21 @@ class WorkerRegistry:
                     now=now,
                 )
                 log.warning("sandbox.lost", extra={"sandbox": sandbox.name, "worker": worker})
+        remove = await self._strays(worker, reported, adopt_pending=now)
+        log.info(
+            "tunnel.attached",
+            extra={"worker": worker, "sandboxes": len(reported), "remove": len(remove)},
+        )
+        return {"remove": remove}
+
+    async def _strays(
+        self, worker: WorkerName, reported: set[str], *, adopt_pending: datetime | None
+    ) -> list[str]:
+        """Sandboxes the worker runs that the store does not expect there: to remove.
+
+        With `adopt_pending`, a reported sandbox still `pending` (its create's instance died
+        before recording the start) is marked running: it runs.
+        """
         remove = []
         for name in sorted(reported):
             record = await self.store.get_sandbox(SandboxName(name))
@@ -77,16 +92,12 @@ class WorkerRegistry:
                 or record.state not in ("running", "pending")
             ):
                 remove.append(name)
-            elif record.state == "pending":
-                # provisioned, but the instance that asked died before recording it: it runs
+            elif record.state == "pending" and adopt_pending is not None:
+                now = adopt_pending
                 await self.store.mark_running(
                     record.name, worker, now, now + timedelta(seconds=record.timeout)
                 )
-        log.info(
-            "tunnel.attached",
-            extra={"worker": worker, "sandboxes": len(reported), "remove": len(remove)},
-        )
-        return {"remove": remove}
+        return remove
 
     async def event(self, session: TunnelSession, header: Header) -> None:
         kind = header.get("event")
@@ -94,6 +105,12 @@ class WorkerRegistry:
         if kind == "heartbeat":
             await self.store.claim_tunnel(session.worker, self.node_url, now)
             await self.store.set_worker_connected(WorkerName(session.worker), True, now)
+            reported = header.get("sandboxes")
+            if isinstance(reported, list) and all(isinstance(n, str) for n in reported):
+                worker = WorkerName(session.worker)
+                for name in await self._strays(worker, set(reported), adopt_pending=None):
+                    log.warning("sandbox.stray_removed", extra={"sandbox": name, "worker": worker})
+                    await session.channel.call("destroy", wait=30.0, name=name)
         elif kind == "sandbox_exited":
             name = SandboxName(str(header.get("name", "")))
             record = await self.store.get_sandbox(name)

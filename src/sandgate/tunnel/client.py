@@ -119,6 +119,7 @@ class TunnelClient:
         while True:
             await asyncio.sleep(self._heartbeat_interval)
             try:
-                await channel.event("heartbeat")
+                # what runs here, so the control plane can remove what it no longer knows
+                await channel.event("heartbeat", sandboxes=self._hello().get("sandboxes", []))
             except Exception:
                 return

@@ -48,6 +48,8 @@ DENY_EPERM: tuple[str, ...] = (
     "ptrace",
     "process_vm_readv",
     "process_vm_writev",
+    "pidfd_getfd",
+    "process_madvise",
     # kernel attack surface
     "bpf",
     "io_uring_setup",

@@ -77,6 +77,10 @@ class WorkerService:
         finally:
             self._tasks = None
             await asyncio.shield(self.destroy_all())
+            try:
+                await asyncio.shield(self.runtime.close())
+            except Exception:
+                log.exception("worker.cleanup_failed")
 
     async def handle(self, header: Header, payload: bytes) -> tuple[Header, bytes]:
         op = header.get("op")

@@ -124,7 +124,9 @@ class Deployment:
                 self.server.kill()
 
 
-def start_deployment(base: Path, *, worker: bool = True) -> Deployment:
+def start_deployment(
+    base: Path, *, worker: bool = True, server_args: tuple[str, ...] = ()
+) -> Deployment:
     data_dir = base / "data"
     data_dir.mkdir(parents=True)
     db = f"sqlite:///{data_dir / 'sandgate.db'}"
@@ -142,7 +144,17 @@ def start_deployment(base: Path, *, worker: bool = True) -> Deployment:
     )
     with open(data_dir / "server.log", "ab") as log:
         dep.server = subprocess.Popen(
-            [sys.executable, "-m", "sandgate", "server", "--db", db, "--port", str(port)],
+            [
+                sys.executable,
+                "-m",
+                "sandgate",
+                "server",
+                "--db",
+                db,
+                "--port",
+                str(port),
+                *server_args,
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -192,3 +192,27 @@ def test_workers_report_enforced_features(alpha: httpx.Client) -> None:
     assert features["seccomp"] is True
     assert features["user_namespace"] is True
     assert features["network"] in ("none", "host-optional")
+
+
+def test_tenant_code_cannot_reach_the_agent(alpha: httpx.Client, sandbox: str) -> None:
+    """The agent runs as the tenant's uid; it must still be out of reach of tenant code."""
+    probe = run(
+        alpha,
+        sandbox,
+        "import os\n"
+        "agent = next(p for p in os.listdir('/proc') if p.isdigit() and p != '1' and\n"
+        "             b'agent' in open(f'/proc/{p}/cmdline', 'rb').read())\n"
+        "for what in ('mem', 'fd/1', 'environ'):\n"
+        "    try:\n"
+        "        open(f'/proc/{agent}/{what}', 'rb').close(); print('OPENED', what)\n"
+        "    except OSError as e:\n"
+        "        print('denied', what, e.errno)\n"
+        "try:\n"
+        "    print('FDS', os.listdir(f'/proc/{agent}/fd'))\n"
+        "except OSError as e:\n"
+        "    print('denied fd-list', e.errno)\n",
+        language="python",
+    )
+    assert probe["stdout"].count("denied") == 4, probe
+    assert "FDS" not in probe["stdout"], probe
+    assert run(alpha, sandbox, "echo still-fine")["stdout"] == "still-fine\n"

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sandgate.worker.main import runtime_scope
 from tests.integration.api.conftest import RUNTIME, free_port
 
 
@@ -104,6 +105,11 @@ def test_up_serves_and_cleans_up_on_ctrl_c(tmp_path: Path) -> None:
     assert not (state_dir / "local" / "sandboxes" / second).exists()
     found = subprocess.run(
         ["find", "/sys/fs/cgroup", "-name", second], capture_output=True, text=True
+    ).stdout
+    assert found == ""
+    scope = runtime_scope("local", state_dir / "local")  # the worker's own cgroup parents
+    found = subprocess.run(
+        ["find", "/sys/fs/cgroup", "-name", scope], capture_output=True, text=True
     ).stdout
     assert found == ""
     if uid is not None and RUNTIME == "bwrap":

@@ -97,3 +97,76 @@ def test_worker_removes_sandboxes_the_control_plane_forgot(own: Deployment) -> N
             lambda: not (own.state_dir / "w1" / "sandboxes" / name).exists(),
             what="worker removes the forgotten sandbox",
         )
+
+
+def test_second_server_on_one_sqlite_file_refuses(own: Deployment) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "sandgate", "server", "--db", own.db, "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "SQLite serves one instance" in done.stderr
+
+
+def test_worker_token_serves_one_worker_name(own: Deployment) -> None:
+    import asyncio
+
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    from sandgate.agent.frames import encode
+
+    url = own.url.replace("http://", "ws://") + "/tunnel"
+
+    async def hello_as(name: str) -> int | None:
+        headers = {"Authorization": f"Bearer {own.worker_token}"}
+        async with connect(url, additional_headers=headers) as ws:
+            hello = {"event": "hello", "name": name, "capacity": 1, "features": {}, "sandboxes": []}
+            await ws.send(encode(hello))
+            try:
+                await asyncio.wait_for(ws.recv(), 5)
+                await asyncio.wait_for(ws.recv(), 5)
+            except ConnectionClosed as closed:
+                return closed.rcvd.code if closed.rcvd else None
+            return None
+
+    # the token was bound to "w1" when that worker connected: another name is refused
+    assert asyncio.run(hello_as("impostor")) == 4403
+    with own.client() as alpha:
+        names = [w["name"] for w in alpha.get("/api/v1/workers").json()["workers"]]
+        assert "impostor" not in names
+        assert alpha.post("/api/v1/sandboxes", json={}).status_code == 201
+
+
+def test_a_failed_keyed_create_can_be_retried_and_leaves_nothing(tmp_path: Path) -> None:
+    dep = start_deployment(tmp_path, server_args=("--start-timeout", "2"))
+    try:
+        with dep.client() as alpha:
+            assert dep.worker is not None
+            dep.worker.send_signal(signal.SIGSTOP)  # the worker hangs: the start times out
+            try:
+                first = alpha.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "k1"})
+            finally:
+                dep.worker.send_signal(signal.SIGCONT)
+            assert first.status_code == 502, first.text
+            assert "failed to start" in first.json()["error"]["message"]
+            failed = alpha.get("/api/v1/sandboxes", params={"state": "error"}).json()["sandboxes"]
+            assert len(failed) == 1
+            orphan = failed[0]["name"]
+
+            again = alpha.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "k1"})
+            assert again.status_code == 201, again.text  # created anew, not a replay
+            assert again.json()["name"] != orphan
+            replay = alpha.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "k1"})
+            assert replay.status_code == 200
+            assert replay.json()["name"] == again.json()["name"]
+            # the start that finished late on the worker is removed there
+            wait_until(
+                lambda: not (dep.state_dir / "w1" / "sandboxes" / orphan).exists(),
+                timeout=30,
+                what="the late start is removed from the worker",
+            )
+    finally:
+        dep.stop()

@@ -658,3 +658,38 @@ async def test_unique_names_across_many_creates(store: SqlStore) -> None:
     await asyncio.gather(*(create(store, sandbox(n), digest=n) for n in created))
     got = await store.list_sandboxes(TenantId("t1"), SandboxFilter(limit=100))
     assert names(got) == sorted(created)
+
+
+async def test_worker_key_binds_to_its_first_name(store: SqlStore) -> None:
+    worker_key = ApiKey(key_hash="e" * 64, kind="worker", tenant_id=None, created_at=T0)
+    await store.add_api_key(worker_key)
+    assert await store.bind_worker_key("e" * 64, "host-1") is True
+    assert await store.bind_worker_key("e" * 64, "host-1") is True  # the same worker again
+    assert await store.bind_worker_key("e" * 64, "host-2") is False
+    found = await store.find_api_key("e" * 64)
+    assert found is not None and found.label == "host-1"
+    tenant = await store.ensure_tenant("acme")
+    await store.add_api_key(ApiKey("f" * 64, "tenant", tenant.id, T0))
+    assert await store.bind_worker_key("f" * 64, "host-1") is False  # not a worker token
+    assert await store.bind_worker_key("0" * 64, "host-1") is False  # unknown
+
+
+async def test_release_idempotency_frees_the_key_for_its_sandbox_only(store: SqlStore) -> None:
+    await create(store, sandbox("first"), digest="d1")
+    assert await store.release_idempotency(TenantId("t1"), "d1", SandboxName("other")) is False
+    assert await store.release_idempotency(TenantId("t2"), "d1", SandboxName("first")) is False
+    assert await store.find_idempotency(TenantId("t1"), "d1") is not None
+    assert await store.release_idempotency(TenantId("t1"), "d1", SandboxName("first")) is True
+    assert await store.find_idempotency(TenantId("t1"), "d1") is None
+    await create(store, sandbox("second"), digest="d1")  # the key can be used again
+    record = await store.find_idempotency(TenantId("t1"), "d1")
+    assert record is not None and record.sandbox_name == "second"
+
+
+async def test_list_stale_pending(store: SqlStore) -> None:
+    await create(store, sandbox("old-pending", at=T0))
+    await create(store, sandbox("new-pending", at=T0 + timedelta(minutes=5)))
+    await create(store, sandbox("old-running", state="running", at=T0))
+    before = T0 + timedelta(minutes=1)
+    assert names(await store.list_stale_pending(before, 10)) == ["old-pending"]
+    assert await store.list_stale_pending(before, 0) == []

@@ -55,3 +55,8 @@ class Runtime(Protocol):
     async def stop(self, sandbox: RunningSandbox) -> None:
         """Kill every process of the sandbox and remove its files, cgroups and mounts."""
         ...
+
+    async def close(self) -> None:
+        """Once at worker stop, after every sandbox was stopped: remove the worker's own
+        host resources (its cgroup parents). Leaves anything still in use alone."""
+        ...

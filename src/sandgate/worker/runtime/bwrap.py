@@ -492,6 +492,10 @@ class BwrapRuntime:
 
     # ------------------------------------------------------------------ stop
 
+    async def close(self) -> None:
+        if self._cg_host is not None:
+            cgroups.remove_worker_groups(self._cg_host, self.worker_name)
+
     async def stop(self, sandbox: RunningSandbox) -> None:
         private = sandbox.private
         if private.get("stopped"):

@@ -153,6 +153,9 @@ class ProcessRuntime:
             private={"sandbox_dir": sandbox_dir, "log_path": log_path, "stopped": False},
         )
 
+    async def close(self) -> None:
+        """Nothing of the worker's own to remove: no cgroups."""
+
     async def stop(self, sandbox: RunningSandbox) -> None:
         if sandbox.private.get("stopped"):
             return
