@@ -223,7 +223,9 @@ class SandboxService:
     async def _deliver(self, sandbox: Sandbox, job: Job, claim: IdemClaim | None) -> Sandbox:
         try:
             session = self.workers.session_for(sandbox.worker)
-            await session.channel.call("provision", wait=self.settings.start_timeout, **job.request)
+            await session.channel.request(
+                "provision", job.request, wait=self.settings.start_timeout
+            )
         except BaseException as exc:
             reason = exc.message if isinstance(exc, SandgateError) else f"{type(exc).__name__}"
             await asyncio.shield(self._start_failed(sandbox, job, claim, reason))

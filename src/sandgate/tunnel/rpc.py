@@ -95,6 +95,12 @@ class RpcChannel:
         self, op: str, payload: bytes = b"", *, wait: float | None = 30.0, **fields: Any
     ) -> tuple[Header, bytes]:
         """Send a request and wait up to `wait` s for its answer; raise the error it carries."""
+        return await self.request(op, fields, payload, wait=wait)
+
+    async def request(
+        self, op: str, fields: dict[str, Any], payload: bytes = b"", *, wait: float | None = 30.0
+    ) -> tuple[Header, bytes]:
+        """`call` with the request's fields as a dict (any names, relayed as they are)."""
         if self._closed is not None:
             raise self._closed
         request_id = self._next_id
@@ -102,7 +108,7 @@ class RpcChannel:
         future: asyncio.Future[tuple[Header, bytes]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:
-            await self.send_frame({"id": request_id, "op": op, **fields}, payload)
+            await self.send_frame({**fields, "id": request_id, "op": op}, payload)
             try:
                 header, body = await asyncio.wait_for(future, wait)
             except TimeoutError:

@@ -218,7 +218,7 @@ class WorkerService:
         fields = dict(call)
         op = fields.pop("op")
         timeout = float(header.get("timeout_s") or DEFAULT_AGENT_CALL_TIMEOUT) + 2.0
-        reply, body = await live.link.channel.call(op, payload, wait=timeout, **fields)
+        reply, body = await live.link.channel.request(op, fields, payload, wait=timeout)
         reply.pop("id", None)
         reply.pop("ok", None)
         return reply, body

@@ -1,0 +1,126 @@
+"""PTY terminals over the real WebSocket, and the tokens that open them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from tests.integration.api.conftest import Deployment
+
+
+def ws_url(dep: Deployment, name: str, **query: str) -> str:
+    params = "&".join(f"{k}={v}" for k, v in query.items())
+    return dep.url.replace("http://", "ws://") + f"/api/v1/sandboxes/{name}/toolbox/pty?{params}"
+
+
+async def read_until(ws: ClientConnection, needle: bytes) -> bytes:
+    seen = b""
+    async with asyncio.timeout(10):
+        while needle not in seen:
+            message = await ws.recv()
+            if isinstance(message, bytes):
+                seen += message
+    return seen
+
+
+def test_echo_resize_and_exit(deployment: Deployment, sandbox: str) -> None:
+    async def session() -> None:
+        headers = {"Authorization": f"Bearer {deployment.keys['alpha']}"}
+        url = ws_url(deployment, sandbox, cols="100", rows="30", command="bash")
+        async with connect(url, additional_headers=headers) as ws:
+            await ws.send(b"stty size; echo hi-$((40+2))\r")
+            out = await read_until(ws, b"hi-42")
+            assert b"30 100" in out
+            await ws.send(json.dumps({"type": "resize", "cols": 120, "rows": 50}))
+            await ws.send(b"stty size\r")
+            assert b"50 120" in await read_until(ws, b"50 120")
+            await ws.send(b"exit 7\r")
+            final = None
+            try:
+                while True:
+                    message = await asyncio.wait_for(ws.recv(), 10)
+                    if isinstance(message, str):
+                        final = json.loads(message)
+            except ConnectionClosed:
+                pass
+            assert final == {"type": "exit", "exit_code": 7}
+
+    asyncio.run(session())
+
+
+def test_closing_the_socket_ends_the_shell(
+    deployment: Deployment, alpha: httpx.Client, sandbox: str
+) -> None:
+    async def session() -> None:
+        headers = {"Authorization": f"Bearer {deployment.keys['alpha']}"}
+        async with connect(ws_url(deployment, sandbox), additional_headers=headers) as ws:
+            await ws.send(b"exec -a pty-marker-sleep sleep 300\r")
+            await asyncio.sleep(0.5)
+
+    asyncio.run(session())
+    time.sleep(1.5)
+    left = alpha.post(
+        f"/api/v1/sandboxes/{sandbox}/execute",
+        json={"code": "ps -eo args | grep -c '[p]ty-marker' || true"},
+    )
+    assert left.json()["stdout"].strip() == "0"
+
+
+def test_tokens(
+    deployment: Deployment, alpha: httpx.Client, beta: httpx.Client, sandbox: str
+) -> None:
+    issued = alpha.post(f"/api/v1/sandboxes/{sandbox}/toolbox/pty-token", json={"ttl": 1})
+    assert issued.status_code == 201, issued.text
+    token = issued.json()["token"]
+    assert beta.post(f"/api/v1/sandboxes/{sandbox}/toolbox/pty-token").status_code == 404
+
+    async def open_with(name: str, tok: str) -> int | None:
+        try:
+            async with connect(ws_url(deployment, name, token=tok)) as ws:
+                await ws.send(b"echo via-token\r")
+                await read_until(ws, b"via-token")
+                return None
+        except InvalidStatus as refused:
+            return refused.response.status_code
+
+    assert asyncio.run(open_with(sandbox, token)) is None  # no header needed
+    other = alpha.post("/api/v1/sandboxes", json={}).json()["name"]
+    try:
+        assert asyncio.run(open_with(other, token)) == 401  # for one sandbox only
+    finally:
+        alpha.delete(f"/api/v1/sandboxes/{other}")
+    time.sleep(1.2)
+    assert asyncio.run(open_with(sandbox, token)) == 401  # expired
+    assert asyncio.run(open_with(sandbox, token[:-2] + "xx")) == 401  # forged
+
+
+@pytest.mark.parametrize("query", [{"cols": "0"}, {"rows": "abc"}, {"cols": "5000"}])
+def test_bad_sizes_are_refused(deployment: Deployment, sandbox: str, query: dict[str, str]) -> None:
+    async def attempt() -> int:
+        headers = {"Authorization": f"Bearer {deployment.keys['alpha']}"}
+        try:
+            async with connect(ws_url(deployment, sandbox, **query), additional_headers=headers):
+                return 101
+        except InvalidStatus as refused:
+            return refused.response.status_code
+
+    assert asyncio.run(attempt()) == 400
+
+
+def test_no_credentials_or_other_tenant(deployment: Deployment, sandbox: str) -> None:
+    async def attempt(headers: dict[str, str]) -> int:
+        try:
+            async with connect(ws_url(deployment, sandbox), additional_headers=headers):
+                return 101
+        except InvalidStatus as refused:
+            return refused.response.status_code
+
+    assert asyncio.run(attempt({})) == 401
+    beta = {"Authorization": f"Bearer {deployment.keys['beta']}"}
+    assert asyncio.run(attempt(beta)) == 404
