@@ -251,6 +251,18 @@ def state_table() -> None:
     sys.stdout.write(STATE_DOC_HEADER + state_table_markdown())
 
 
+def _add_client_commands() -> None:
+    """The commands that talk to a running API through the SDK (`sandgate.client`)."""
+    from sandgate.cli import cp, sandbox, shell
+
+    app.add_typer(sandbox.app, name="sandbox")
+    app.command("cp")(cp.cp)
+    app.command("shell")(shell.shell)
+
+
+_add_client_commands()
+
+
 def main() -> None:
     os.umask(0o022)
     app()

@@ -1,0 +1,301 @@
+"""`sandgate sandbox ...`: create, list, remove, run in and follow sandboxes, on the SDK.
+
+Every client command takes `--url` (`$SANDGATE_URL`) and `--api-key` (`$SANDGATE_API_KEY`),
+defaulting as the SDK does: a local `sandgate up` and its `./.sandgate/api-key`. Errors print
+one line, `error: <message>`, and exit non-zero; never a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+import sys
+from collections.abc import Iterator
+from datetime import datetime
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from sandgate.client import Sandgate
+
+app = typer.Typer(help="Create, list, remove and run commands in sandboxes.", no_args_is_help=True)
+
+UrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--url",
+        envvar="SANDGATE_URL",
+        help="API URL (default: http://127.0.0.1:8080)",
+        show_default=False,
+    ),
+]
+KeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="SANDGATE_API_KEY",
+        help="API key (default: the contents of ./.sandgate/api-key)",
+        show_default=False,
+    ),
+]
+NameArg = Annotated[str, typer.Argument(help="sandbox name", show_default=False)]
+
+HIDDEN_METADATA = ("idem", "idem_owner")
+CLIENT_FAILED = 255  # as ssh: the exit code when the client itself failed in exec and shell
+
+
+def connect(url: str | None, api_key: str | None) -> Sandgate:
+    from sandgate.client import Sandgate
+
+    return Sandgate(url, api_key)
+
+
+@contextlib.contextmanager
+def reported_errors(exit_code: int = 1) -> Iterator[None]:
+    """Turn the errors a user can act on into one `error:` line and an exit code."""
+    from sandgate.client import SandgateError
+
+    try:
+        yield
+    except SandgateError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(exit_code) from None
+    except OSError as exc:
+        where = f": {exc.filename}" if exc.filename else ""
+        typer.echo(f"error: {exc.strerror or exc}{where}", err=True)
+        raise typer.Exit(exit_code) from None
+    except KeyboardInterrupt:
+        typer.echo("", err=True)
+        raise typer.Exit(130) from None
+
+
+def pairs(values: list[str] | None, what: str) -> dict[str, str]:
+    """`["k=v", ...]` from repeated options, as a dict."""
+    out: dict[str, str] = {}
+    for item in values or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint=what)
+        out[key] = value
+    return out
+
+
+def exit_status(code: int) -> int:
+    """A remote exit code as a local one (a negative code is a signal, as the shell shows it)."""
+    return code if 0 <= code <= 255 else (128 + -code if code < 0 else code & 0xFF)
+
+
+@app.command("create")
+def create(
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+    template: Annotated[str | None, typer.Option(help="template name")] = None,
+    timeout: Annotated[
+        float | None, typer.Option(help="seconds it lives (server default 300)")
+    ] = None,
+    metadata: Annotated[
+        list[str] | None, typer.Option("--metadata", "-m", help="KEY=VALUE, repeatable")
+    ] = None,
+    env: Annotated[
+        list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE, repeatable")
+    ] = None,
+    network: Annotated[bool, typer.Option("--network", help="give it network access")] = False,
+    idempotency_key: Annotated[
+        str | None, typer.Option(help="the same key never makes a second sandbox")
+    ] = None,
+) -> None:
+    """Create a sandbox and print its name."""
+    with reported_errors(), connect(url, api_key) as client:
+        box = client.sandboxes.create(
+            template=template,
+            timeout=timeout,
+            metadata=pairs(metadata, "--metadata"),
+            env=pairs(env, "--env"),
+            network=network or None,
+            idempotency_key=idempotency_key,
+        )
+        typer.echo(box.name)
+
+
+def _when(value: datetime | None) -> str:
+    return value.astimezone().strftime("%Y-%m-%d %H:%M:%S") if value else "-"
+
+
+@app.command("ls")
+def ls(
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+    state: Annotated[
+        str | None, typer.Option(help="only these states (comma-separated), e.g. running")
+    ] = None,
+    metadata: Annotated[
+        list[str] | None, typer.Option("--metadata", "-m", help="KEY=VALUE filter, repeatable")
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="names only")] = False,
+) -> None:
+    """List sandboxes (all pages) as a table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    with reported_errors(), connect(url, api_key) as client:
+        boxes = client.sandboxes.list(state=state, metadata=pairs(metadata, "--metadata"))
+    if quiet:
+        for box in boxes:
+            typer.echo(box.name)
+        return
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("NAME", "STATE", "TEMPLATE", "WORKER", "CREATED", "EXPIRES", "METADATA"):
+        table.add_column(column, no_wrap=column != "METADATA")
+    for box in boxes:
+        meta = ",".join(f"{k}={v}" for k, v in box.metadata.items() if k not in HIDDEN_METADATA)
+        table.add_row(
+            box.name,
+            box.state,
+            box.template,
+            box.worker or "-",
+            _when(box.created_at),
+            _when(box.expires_at),
+            meta,
+        )
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    console.print(table)
+
+
+@app.command("rm")
+def rm(
+    names: Annotated[list[str], typer.Argument(help="sandbox names", show_default=False)],
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Delete sandboxes; their processes and files are gone."""
+    from sandgate.client import SandgateError
+
+    failed = 0
+    with reported_errors(), connect(url, api_key) as client:
+        for name in names:
+            try:
+                client.sandboxes.delete(name)
+            except SandgateError as exc:
+                typer.echo(f"error: {exc.message}", err=True)
+                failed += 1
+                continue
+            typer.echo(name)
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command("exec")
+def exec_(
+    name: NameArg,
+    command: Annotated[
+        list[str] | None,
+        typer.Argument(help="command after --; one argument runs as bash code", show_default=False),
+    ] = None,
+    code: Annotated[
+        str | None, typer.Option("--code", "-c", help="code to run ('-' reads stdin)")
+    ] = None,
+    language: Annotated[str, typer.Option("--language", "-l", help="bash, sh or python")] = "bash",
+    timeout: Annotated[
+        float | None, typer.Option(help="seconds before it is killed (server default 30)")
+    ] = None,
+    env: Annotated[
+        list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE, repeatable")
+    ] = None,
+    cwd: Annotated[str | None, typer.Option(help="working directory")] = None,
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Run a command (or --code) in a sandbox; print its output, exit with its exit code."""
+    if (code is None) == (not command):
+        raise typer.BadParameter("give a command after -- or --code, not both")
+    if code == "-":
+        code = sys.stdin.read()
+    program = code if code is not None else _program(command or [])
+    with reported_errors(CLIENT_FAILED), connect(url, api_key) as client:
+        box = client.sandboxes.get(name)
+        result = box.run(
+            program, language=language, timeout=timeout, env=pairs(env, "--env"), cwd=cwd
+        )
+    sys.stdout.write(result.stdout)
+    sys.stdout.flush()
+    sys.stderr.write(result.stderr)
+    for stream, cut in (("stdout", result.stdout_truncated), ("stderr", result.stderr_truncated)):
+        if cut:
+            sys.stderr.write(f"sandgate: {stream} was cut at 1 MiB\n")
+    if result.timed_out:
+        sys.stderr.write("sandgate: the command timed out and was killed\n")
+    sys.stderr.flush()
+    raise typer.Exit(exit_status(result.exit_code))
+
+
+def _program(command: list[str]) -> str:
+    return command[0] if len(command) == 1 else shlex.join(command)
+
+
+@app.command("start")
+def start(
+    name: NameArg,
+    command: Annotated[
+        list[str],
+        typer.Argument(help="command after --; one argument runs as bash code", show_default=False),
+    ],
+    env: Annotated[
+        list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE, repeatable")
+    ] = None,
+    cwd: Annotated[str | None, typer.Option(help="working directory")] = None,
+    timeout: Annotated[float | None, typer.Option(help="seconds before it is killed")] = None,
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Start a background process in a sandbox and print its pid (follow it with `logs`)."""
+    with reported_errors(), connect(url, api_key) as client:
+        box = client.sandboxes.get(name)
+        process = box.processes.start(
+            _program(command), cwd=cwd, env=pairs(env, "--env"), timeout=timeout
+        )
+        typer.echo(str(process.pid))
+
+
+@app.command("ps")
+def ps(name: NameArg, url: UrlOpt = None, api_key: KeyOpt = None) -> None:
+    """List a sandbox's background processes."""
+    from rich.console import Console
+    from rich.table import Table
+
+    with reported_errors(), connect(url, api_key) as client:
+        processes = client.sandboxes.get(name).processes.list()
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("PID", "STATE", "EXIT", "STARTED", "COMMAND"):
+        table.add_column(column, no_wrap=column != "COMMAND")
+    for process in processes:
+        code = "-" if process.exit_code is None else str(process.exit_code)
+        table.add_row(
+            str(process.pid), process.state, code, _when(process.started_at), process.command
+        )
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
+@app.command("logs")
+def logs(
+    name: NameArg,
+    pid: Annotated[int, typer.Argument(help="process id", show_default=False)],
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="follow until it exits, then exit with its code")
+    ] = False,
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Print a background process's output (stdout and stderr to their local twins)."""
+    with reported_errors(), connect(url, api_key) as client:
+        process = client.sandboxes.get(name).processes.get(pid)
+        for event in process.output(follow=follow):
+            out = sys.stdout.buffer if event.stream == "stdout" else sys.stderr.buffer
+            out.write(event.data)
+            out.flush()
+        if process.dropped_bytes:
+            typer.echo(
+                f"sandgate: the first {process.dropped_bytes} bytes are no longer kept", err=True
+            )
+    if follow and process.exit_code is not None:
+        raise typer.Exit(exit_status(process.exit_code))

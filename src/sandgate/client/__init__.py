@@ -1,0 +1,97 @@
+"""The sandgate Python SDK: `Sandgate` (blocking) and `AsyncSandgate` (asyncio), on httpx.
+
+```python
+from sandgate.client import Sandgate
+
+with Sandgate() as sg:  # $SANDGATE_URL / $SANDGATE_API_KEY, else a local `sandgate up`
+    box = sg.sandboxes.create(metadata={"agent": "demo"})
+    print(box.run("print(6*7)", language="python").stdout)
+    box.files.write("data.csv", Path("data.csv"))
+    box.delete()
+```
+
+The reference is docs/client.md.
+"""
+
+from sandgate.client._async import (
+    AsyncFiles,
+    AsyncProcess,
+    AsyncProcesses,
+    AsyncSandbox,
+    AsyncSandboxes,
+    AsyncSandgate,
+    AsyncTerminal,
+)
+from sandgate.client._base import DEFAULT_URL, KEY_FILE, Progress, RetryPolicy
+from sandgate.client._sync import (
+    Files,
+    Process,
+    Processes,
+    Sandbox,
+    Sandboxes,
+    Sandgate,
+    Terminal,
+)
+from sandgate.client.errors import (
+    APIConnectionError,
+    APITimeoutError,
+    AuthenticationError,
+    ConflictError,
+    GatewayTimeoutError,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    RateLimitedError,
+    SandgateError,
+    ServerError,
+    UnavailableError,
+)
+from sandgate.client.models import (
+    ExecResult,
+    FileEntry,
+    OutputEvent,
+    ProcessInfo,
+    PtyToken,
+    SandboxInfo,
+)
+
+__all__ = (
+    "DEFAULT_URL",
+    "KEY_FILE",
+    "APIConnectionError",
+    "APITimeoutError",
+    "AsyncFiles",
+    "AsyncProcess",
+    "AsyncProcesses",
+    "AsyncSandbox",
+    "AsyncSandboxes",
+    "AsyncSandgate",
+    "AsyncTerminal",
+    "AuthenticationError",
+    "ConflictError",
+    "ExecResult",
+    "FileEntry",
+    "Files",
+    "GatewayTimeoutError",
+    "InvalidRequestError",
+    "NotFoundError",
+    "OutputEvent",
+    "PayloadTooLargeError",
+    "PermissionDeniedError",
+    "Process",
+    "ProcessInfo",
+    "Processes",
+    "Progress",
+    "PtyToken",
+    "RateLimitedError",
+    "RetryPolicy",
+    "Sandbox",
+    "SandboxInfo",
+    "Sandboxes",
+    "Sandgate",
+    "SandgateError",
+    "ServerError",
+    "Terminal",
+    "UnavailableError",
+)

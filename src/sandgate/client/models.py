@@ -1,0 +1,161 @@
+"""Typed results of the API, as dataclasses. Each `from_json` reads one wire object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from datetime import datetime
+from typing import Any, Literal
+
+
+def _time(value: Any) -> datetime | None:
+    return None if value is None else datetime.fromisoformat(str(value))
+
+
+@dataclass(kw_only=True)
+class SandboxInfo:
+    """A sandbox as the server described it when this object was made (see `refresh()`)."""
+
+    name: str
+    state: str  # pending, running, stopped, error, deleted
+    template: str = "default"
+    metadata: dict[str, str] = field(default_factory=dict)
+    worker: str | None = None
+    network: bool = False
+    resources: dict[str, Any] = field(default_factory=dict)
+    timeout: float = 0.0
+    created_at: datetime | None = None
+    started_at: datetime | None = None
+    expires_at: datetime | None = None
+    error: str | None = None
+
+    def describe(self) -> str:
+        """`name=..., state=..., ...`: the description fields, for a subclass's repr."""
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(SandboxInfo))
+
+    @staticmethod
+    def fields_from_json(body: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "name": str(body["name"]),
+            "state": str(body["state"]),
+            "template": str(body.get("template", "default")),
+            "metadata": dict(body.get("metadata") or {}),
+            "worker": body.get("worker"),
+            "network": bool(body.get("network", False)),
+            "resources": dict(body.get("resources") or {}),
+            "timeout": float(body.get("timeout") or 0.0),
+            "created_at": _time(body.get("created_at")),
+            "started_at": _time(body.get("started_at")),
+            "expires_at": _time(body.get("expires_at")),
+            "error": body.get("error"),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecResult:
+    """The answer of `Sandbox.run`: output is UTF-8 with invalid bytes replaced."""
+
+    stdout: str
+    stderr: str
+    exit_code: int
+    duration_ms: float
+    timed_out: bool = False
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> ExecResult:
+        return cls(
+            stdout=str(body["stdout"]),
+            stderr=str(body["stderr"]),
+            exit_code=int(body["exit_code"]),
+            duration_ms=float(body["duration_ms"]),
+            timed_out=bool(body.get("timed_out", False)),
+            stdout_truncated=bool(body.get("stdout_truncated", False)),
+            stderr_truncated=bool(body.get("stderr_truncated", False)),
+        )
+
+
+FileType = Literal["file", "dir", "symlink", "other"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileEntry:
+    name: str
+    path: str
+    type: FileType
+    size: int
+    mode: str
+    mtime: datetime
+
+    @property
+    def is_dir(self) -> bool:
+        return self.type == "dir"
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> FileEntry:
+        mtime = _time(body["mtime"])
+        assert mtime is not None
+        return cls(
+            name=str(body["name"]),
+            path=str(body["path"]),
+            type=body["type"],
+            size=int(body["size"]),
+            mode=str(body["mode"]),
+            mtime=mtime,
+        )
+
+
+@dataclass(kw_only=True)
+class ProcessInfo:
+    """A background process as last seen; `exit_code` is None while it runs."""
+
+    pid: int
+    command: str = ""
+    state: str = "running"  # running, exited
+    exit_code: int | None = None
+    started_at: datetime | None = None
+    exited_at: datetime | None = None
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(ProcessInfo))
+
+    @staticmethod
+    def fields_from_json(body: dict[str, Any]) -> dict[str, Any]:
+        code = body.get("exit_code")
+        return {
+            "pid": int(body["pid"]),
+            "command": str(body.get("command", "")),
+            "state": str(body.get("state", "running")),
+            "exit_code": None if code is None else int(code),
+            "started_at": _time(body.get("started_at")),
+            "exited_at": _time(body.get("exited_at")),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputEvent:
+    """One piece of a process's output; `offset` is the output position after it."""
+
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+    offset: int
+
+    @property
+    def text(self) -> str:
+        return self.data.decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PtyToken:
+    token: str
+    expires_at: datetime
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> PtyToken:
+        expires = _time(body["expires_at"])
+        assert expires is not None
+        return cls(token=str(body["token"]), expires_at=expires)
