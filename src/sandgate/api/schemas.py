@@ -155,6 +155,7 @@ class ProcessOut(BaseModel):
     exit_code: int | None
     started_at: datetime
     exited_at: datetime | None = None
+    terminal: bool = False  # a PTY session: follow it over the pty WebSocket, not /stream
 
 
 class ProcessList(BaseModel):

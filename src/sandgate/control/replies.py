@@ -65,6 +65,7 @@ class Process(_Reply):
     exit_code: int | None = None
     started_at: datetime
     exited_at: datetime | None = None
+    terminal: bool = False
 
 
 class ProcessesReply(_Reply):

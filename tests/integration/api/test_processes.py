@@ -179,3 +179,34 @@ def test_other_tenant_cannot_touch_processes(
     assert beta.post(f"{procs(sandbox)}/{pid}/signal", json={"signal": "KILL"}).status_code == 404
     assert beta.post(f"{procs(sandbox)}/{pid}/stdin", content=b"x").status_code == 404
     assert alpha.get(f"{procs(sandbox)}/{pid}").json()["state"] == "running"
+
+
+def test_follow_false_returns_what_is_there(alpha: httpx.Client, sandbox: str) -> None:
+    pid = alpha.post(procs(sandbox), json={"command": "echo first; sleep 300"}).json()["pid"]
+    time.sleep(0.5)
+    started = time.monotonic()
+    events = follow(alpha, sandbox, pid, follow=0)
+    assert time.monotonic() - started < 5
+    assert text_of(events) == "first\n"
+    assert all(e != "exit" for e, _, _ in events)
+    alpha.post(f"{procs(sandbox)}/{pid}/signal", json={"signal": "KILL"})
+
+
+def test_terminals_are_marked_in_the_list(
+    deployment: Deployment, alpha: httpx.Client, sandbox: str
+) -> None:
+    import asyncio
+
+    from websockets.asyncio.client import connect
+
+    async def with_terminal() -> list[dict]:  # type: ignore[type-arg]
+        url = (
+            deployment.url.replace("http://", "ws://") + f"/api/v1/sandboxes/{sandbox}/toolbox/pty"
+        )
+        headers = {"Authorization": f"Bearer {deployment.keys['alpha']}"}
+        async with connect(url, additional_headers=headers):
+            await asyncio.sleep(0.3)
+            return await asyncio.to_thread(lambda: alpha.get(procs(sandbox)).json()["processes"])
+
+    listed = asyncio.run(with_terminal())
+    assert any(p["terminal"] for p in listed)

@@ -79,6 +79,7 @@ async def stream(
     who: Tenant,
     svc: Svc,
     offset: Annotated[int | None, Query(ge=0)] = None,
+    follow: Annotated[bool, Query(description="false: what is there now, then end")] = True,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> StreamingResponse:
     start_at = offset
@@ -110,7 +111,11 @@ async def stream(
             if reply.exited:
                 yield _event("exit", {"exit_code": reply.exit_code}, position)
                 return
-            answer = await _read(svc, who, name, pid, position, wait=FOLLOW_WAIT)
+            if not follow and not reply.chunks:
+                return  # caught up with a process that still runs
+            answer = await _read(svc, who, name, pid, position, wait=FOLLOW_WAIT if follow else 0)
+            if follow and not answer[0].chunks and not answer[0].exited:
+                yield b": keep-alive\n\n"  # a quiet process: keep idle proxies from cutting us
 
     return StreamingResponse(
         events(),
