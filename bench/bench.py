@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -226,6 +227,26 @@ def main() -> None:
                 if i >= 20:
                     execs.append(elapsed)
 
+            # live output: lines a background process prints, as a follower receives them
+            command = (
+                'python3 -c "import time\nfor i in range(100):\n'
+                '    print(time.time(), flush=True); time.sleep(0.02)"'
+            )
+            pid = client.post(
+                f"/api/v1/sandboxes/{target}/toolbox/processes", json={"command": command}
+            ).json()["pid"]
+            lags = []
+            with client.stream(
+                "GET", f"/api/v1/sandboxes/{target}/toolbox/processes/{pid}/stream"
+            ) as stream:
+                for line in stream.iter_lines():
+                    if line.startswith("data: ") and '"data"' in line:
+                        received = time.time()
+                        for stamp in json.loads(line[6:])["data"].split():
+                            lags.append((received - float(stamp)) * 1000)
+                    if line.startswith("event: exit"):
+                        break
+
             counts = [0] * 8
             stop_at = time.monotonic() + args.seconds
 
@@ -257,6 +278,7 @@ def main() -> None:
         print(f"API       execute echo ok                   {summary(execs)}")
         print(f"API       create-to-running                 {summary(creates)}")
         print(f"API       execute throughput, 8 clients     {throughput:7.1f} req/s")
+        print(f"API       process line to SSE follower      {summary(lags[10:])}")
         if memory:
             print(
                 f"memory    PSS per idle sandbox              {memory[0]:7.2f} MiB (mean of {memory[1]})"
