@@ -293,6 +293,9 @@ def main() -> None:
         print(
             f"target    create-to-running p50 <= 100 ms    {'met' if statistics.median(creates) <= 100 else 'MISSED'}"
         )
+        print(
+            f"target    live output p50 < 50 ms            {'met' if statistics.median(lags[10:]) < 50 else 'MISSED'}"
+        )
     finally:
         for proc in (worker, server):
             proc.send_signal(signal.SIGTERM)
