@@ -30,6 +30,12 @@ class ServerSettings(_Frozen):
     max_json_bytes: int = 2 << 20  # JSON request bodies (code included)
     max_upload_bytes: int = 10 << 30  # one file upload
     file_chunk_bytes: int = 1 << 20  # one tunnel frame of file data
+    # several instances
+    owner_ttl: float = 90.0  # a tunnel_owners row older than this is not trusted
+    recovery_after: float = 45.0  # a pending create job untouched this long is redelivered
+    recovery_interval: float = 5.0
+    max_delivery_attempts: int = 5  # then the job fails and its sandbox is marked error
+    faults: frozenset[str] = frozenset()  # test fault points (sandgate.faults)
     # auth cache: a revoked key stops working on every instance within this
     auth_cache_ttl: float = 5.0
 

@@ -36,6 +36,9 @@ class ServerLocalState:
     # key hash -> (key, fetched at monotonic): avoids a store read per request. A revoked key
     # keeps working on an instance for at most `auth_cache_ttl`.
     auth_cache: dict[str, tuple[ApiKey, float]] = field(default_factory=dict)
+    # peer node_url -> what is wrong with it (it answered HTML, refused our signature).
+    # Per-process by nature: what this instance saw; shown in /readyz and the log.
+    peer_problems: dict[str, str] = field(default_factory=dict)
 
     def cached_key(self, key_hash: str, ttl: float) -> ApiKey | None:
         hit = self.auth_cache.get(key_hash)
@@ -74,6 +77,11 @@ STATE_TABLE: dict[str, StateRow] = {
         "API key records by hash",
         "10,000 entries, each trusted for auth_cache_ttl (5 s)",
         "exact via store after the TTL: a revoked key stops on every instance within 5 s",
+    ),
+    "ServerLocalState.peer_problems": StateRow(
+        "configuration problems seen when calling other instances",
+        "one per peer instance",
+        "per-process by nature: each instance reports in /readyz what it saw itself",
     ),
     "WorkerLocalState.sandboxes": StateRow(
         "sandboxes running on this worker and their agent pipes",

@@ -11,13 +11,17 @@ from fastapi import FastAPI
 
 from sandgate.api import errors
 from sandgate.api.deps import Services
+from sandgate.api.internal_auth import InternalAuth
 from sandgate.api.limits import BodyLimit
-from sandgate.api.routes import files, processes, pty, sandboxes, system
+from sandgate.api.routes import files, internal, processes, pty, sandboxes, system
 from sandgate.config import ServerSettings
+from sandgate.control.peers import PeerClient
 from sandgate.control.reaper import Reaper
+from sandgate.control.recovery import Recovery
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.workers import WorkerRegistry
 from sandgate.errors import TunnelUnavailableError
+from sandgate.faults import FAULTS
 from sandgate.local_state import ServerLocalState
 from sandgate.store.instance_lock import hold_instance_lock, release_instance_lock
 from sandgate.store.sql import open_store
@@ -32,17 +36,36 @@ def create_app(settings: ServerSettings) -> FastAPI:
         store = await open_store(settings.db_url)
         state = ServerLocalState()
         node_url = settings.node_url or f"http://{settings.host}:{settings.port}"
-        workers = WorkerRegistry(store, state, node_url=node_url)
+        peers = PeerClient(secret=settings.secret, state=state)
+        workers = WorkerRegistry(
+            store, state, node_url=node_url, peers=peers, owner_ttl=settings.owner_ttl
+        )
         service = SandboxService(store, state, workers, settings)
         app.state.services = Services(settings, store, state, workers, service)
-        reaper = asyncio.create_task(Reaper(service, interval=settings.reaper_interval).run())
+        loops = [
+            asyncio.create_task(Reaper(service, interval=settings.reaper_interval).run()),
+            asyncio.create_task(
+                Recovery(
+                    service,
+                    store,
+                    node_url=node_url,
+                    after=settings.recovery_after,
+                    interval=settings.recovery_interval,
+                ).run()
+            ),
+        ]
+        for fault in sorted(settings.faults):
+            log.critical("fault.active", extra={"fault": fault, "does": FAULTS[fault]})
         log.info("server.started", extra={"node_url": node_url})
         try:
             yield
         finally:
-            reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reaper
+            for loop in loops:
+                loop.cancel()
+            for loop in loops:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loop
+            await peers.aclose()
             for session in list(state.tunnels.values()):
                 session.channel.close(TunnelUnavailableError("server shutting down"))
             await store.aclose()
@@ -60,9 +83,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(processes.router)
     app.include_router(pty.router)
     app.include_router(system.router)
+    app.include_router(internal.router)
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_json_bytes,
-        streaming_suffixes=("/toolbox/files", "/stdin"),
+        streaming_suffixes=("/toolbox/files", "/stdin", "/internal/tunnel-call"),
     )
+    app.add_middleware(InternalAuth, secret=settings.secret)  # outermost: before any parsing
     return app

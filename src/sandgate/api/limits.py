@@ -26,7 +26,7 @@ class BodyLimit:
                 try:
                     declared = int(value)
                 except ValueError:
-                    await _reject(send, 400, "bad_request", "Content-Length is not a number")
+                    await reject(send, 400, "bad_request", "Content-Length is not a number")
                     return
                 if declared > self.max_bytes:
                     await _too_large(send, self.max_bytes)
@@ -56,10 +56,10 @@ class BodyLimit:
 
 
 async def _too_large(send: Send, limit: int) -> None:
-    await _reject(send, 413, "payload_too_large", f"request body over {limit} bytes")
+    await reject(send, 413, "payload_too_large", f"request body over {limit} bytes")
 
 
-async def _reject(send: Send, status: int, code: str, message: str) -> None:
+async def reject(send: Send, status: int, code: str, message: str) -> None:
     body = json.dumps({"error": {"code": code, "message": message}}).encode()
     await send(
         {

@@ -148,13 +148,44 @@ def server(
         float,
         typer.Option(envvar="SANDGATE_START_TIMEOUT", help="seconds a sandbox may take to start"),
     ] = 30.0,
+    owner_ttl: Annotated[
+        float,
+        typer.Option(envvar="SANDGATE_OWNER_TTL", help="seconds a tunnel owner record is trusted"),
+    ] = 90.0,
+    recovery_after: Annotated[
+        float,
+        typer.Option(
+            envvar="SANDGATE_RECOVERY_AFTER", help="seconds before a pending create is redelivered"
+        ),
+    ] = 45.0,
+    recovery_interval: Annotated[
+        float, typer.Option(envvar="SANDGATE_RECOVERY_INTERVAL", help="seconds between sweeps")
+    ] = 5.0,
     log_level: LogOpt = "INFO",
 ) -> None:
     """Run one API instance."""
+    from sandgate import faults
     from sandgate.cli.serve import make_server
     from sandgate.config import ServerSettings
+    from sandgate.store.migrate import async_url
 
     logs.setup(log_level)
+    try:
+        active_faults = faults.from_environment()
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="SANDGATE_FAULTS") from None
+    if not async_url(db).drivername.startswith("sqlite"):
+        if not node_url:
+            raise typer.BadParameter(
+                "on PostgreSQL every instance needs --node-url, the URL its peers reach it at "
+                "(the same string it records in tunnel_owners)",
+                param_hint="--node-url",
+            )
+        if secret_file is None:
+            raise typer.BadParameter(
+                "on PostgreSQL all instances share one secret: give each the same --secret-file",
+                param_hint="--secret-file",
+            )
     _refuse_second_sqlite_instance(db)
     with _runner() as runner:
         runner.run(_prepare_db(db))
@@ -165,6 +196,10 @@ def server(
         node_url=node_url,
         secret=_read_secret(secret_file),
         start_timeout=start_timeout,
+        owner_ttl=owner_ttl,
+        recovery_after=recovery_after,
+        recovery_interval=recovery_interval,
+        faults=active_faults,
     )
     make_server(settings, own_signals=True).run()
 

@@ -1,4 +1,4 @@
-"""The reaper: stops sandboxes past `expires_at` and abandoned creates. Trusts the store."""
+"""The reaper: stops and removes sandboxes past `expires_at`. Idempotent; trusts the store."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ class Reaper:
             try:
                 async with asyncio.timeout(self.tick_timeout):
                     await self.sandboxes.expire_due()
-                    await self.sandboxes.fail_stale_pending()
             except TimeoutError:
                 log.warning("reaper.tick_timeout")
             except Exception:

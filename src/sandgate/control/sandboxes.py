@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import uuid
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -26,6 +28,7 @@ from sandgate.errors import (
     InvalidRequestError,
     NotFoundError,
     SandgateError,
+    TunnelUnavailableError,
     UnavailableError,
     WorkerError,
 )
@@ -165,7 +168,7 @@ class SandboxService:
     async def _create(
         self, tenant: TenantId, request: CreateRequest, claim: IdemClaim | None
     ) -> Sandbox:
-        session = await self.workers.pick(network=request.network)
+        placement = await self.workers.pick(network=request.network)
         now = utcnow()
         name = SandboxName(new_sandbox_name())
         metadata = dict(request.metadata)
@@ -184,7 +187,7 @@ class SandboxService:
             resources=request.resources,
             created_at=now,
             updated_at=now,
-            worker=WorkerName(session.worker),
+            worker=placement.worker,
         )
         payload = {
             "name": name,
@@ -217,19 +220,78 @@ class SandboxService:
             if winner is None:
                 raise UnavailableError("create raced and lost its record; retry") from None
             raise _LostRace(winner) from None
-        log.info("sandbox.accepted", extra={"sandbox": name, "worker": session.worker})
-        return await self._deliver(sandbox, job, claim)
+        log.info("sandbox.accepted", extra={"sandbox": name, "worker": placement.worker})
+        if "exit-after-accept" in self.settings.faults:
+            log.critical("fault.exit_after_accept", extra={"sandbox": name})
+            os.kill(os.getpid(), signal.SIGKILL)
+        if "skip-delivery" in self.settings.faults:
+            log.critical("fault.skip_delivery", extra={"sandbox": name})
+            raise UnavailableError(
+                "fault skip-delivery: accepted and not delivered; recovery will deliver it",
+                code="delivery_skipped",
+                retry_after=5.0,
+            )
+        return await self._deliver(sandbox, job)
 
-    async def _deliver(self, sandbox: Sandbox, job: Job, claim: IdemClaim | None) -> Sandbox:
+    async def _deliver(self, sandbox: Sandbox, job: Job) -> Sandbox:
+        """Push an accepted create down the worker's tunnel: ours, or the owner's instance.
+
+        If the tunnel cannot be reached, the job stays pending and recovery delivers it; the
+        client gets 503 and its retry (same key) returns the sandbox once it runs.
+        """
         try:
-            session = self.workers.session_for(sandbox.worker)
+            if self.workers.local(sandbox.worker) is not None:
+                return await self.deliver_job(job.id, forwarded=False)
+            node_url = await self.workers.owner(sandbox.worker)
+            if node_url is None or node_url == self.workers.node_url:
+                raise TunnelUnavailableError("sandbox tunnel not available", retry_after=2.0)
+            wait = self.settings.start_timeout + 5.0
+            await self.workers.peers.provision(node_url, job.id, wait=wait)
+        except TunnelUnavailableError as exc:
+            log.warning("sandbox.delivery_deferred", extra={"sandbox": sandbox.name})
+            raise UnavailableError(
+                f"sandbox {sandbox.name} is accepted but its worker's tunnel is not reachable "
+                f"now ({exc.message}); it will be delivered when it is: retry with the same "
+                "Idempotency-Key",
+                code="tunnel_unavailable",
+                retry_after=exc.retry_after,
+            ) from exc
+        running = await self.store.get_sandbox(sandbox.name)
+        if running is None:
+            raise NotFoundError(f"sandbox {sandbox.name} vanished while it started")
+        return running
+
+    async def deliver_job(self, job_id: str, *, forwarded: bool) -> Sandbox:
+        """On the instance holding the worker's tunnel: provision, then record it running.
+
+        Used by a local create, by `/internal/provision` for a create another instance
+        accepted, and by recovery. Never resurrects: a sandbox no longer pending fails its job.
+        """
+        job = await self.store.get_job(JobId(job_id))
+        if job is None:
+            raise NotFoundError(f"no job {job_id}")
+        sandbox = await self.store.get_sandbox(job.sandbox_name)
+        if sandbox is None or sandbox.state != "pending":
+            state = "gone" if sandbox is None else sandbox.state
+            await self.store.finish_job(
+                job.id, "failed", error=f"sandbox {state}; not delivered", now=utcnow()
+            )
+            if sandbox is not None and sandbox.state == "running":
+                return sandbox  # delivered already (an earlier attempt won)
+            raise ConflictError(f"sandbox {job.sandbox_name} is {state}; its create is dropped")
+        session = self.workers.local(sandbox.worker)
+        if session is None:
+            raise TunnelUnavailableError("sandbox tunnel not available", retry_after=2.0)
+        try:
             await session.channel.request(
                 "provision", job.request, wait=self.settings.start_timeout
             )
+        except TunnelUnavailableError:
+            raise  # the link dropped: the job stays pending for recovery
         except BaseException as exc:
             reason = exc.message if isinstance(exc, SandgateError) else f"{type(exc).__name__}"
-            await asyncio.shield(self._start_failed(sandbox, job, claim, reason))
-            if isinstance(exc, InvalidRequestError | UnavailableError):
+            await asyncio.shield(self._start_failed(sandbox, job, reason))
+            if isinstance(exc, InvalidRequestError):
                 raise
             if not isinstance(exc, Exception):
                 raise
@@ -240,17 +302,42 @@ class SandboxService:
         if not await self.store.mark_running(
             sandbox.name, WorkerName(session.worker), now, expires_at
         ):
+            current = await self.store.get_sandbox(sandbox.name)
+            if current is not None and current.state == "running":
+                return current  # a concurrent delivery recorded it first
             # deleted while it started: do not resurrect it, take it down again
             await self._destroy_on_worker(sandbox)
             raise ConflictError(f"sandbox {sandbox.name} was deleted while it started")
-        log.info("sandbox.running", extra={"sandbox": sandbox.name})
+        log.info("sandbox.running", extra={"sandbox": sandbox.name, "forwarded": forwarded})
         return replace(
             sandbox, state="running", started_at=now, expires_at=expires_at, updated_at=now
         )
 
-    async def _start_failed(
-        self, sandbox: Sandbox, job: Job, claim: IdemClaim | None, reason: str
-    ) -> None:
+    async def recover(self, job: Job) -> None:
+        """Deliver a create job nobody finished (claimed by compare-and-swap)."""
+        sandbox = await self.store.get_sandbox(job.sandbox_name)
+        if (
+            sandbox is not None
+            and sandbox.state == "pending"
+            and (job.attempt > self.settings.max_delivery_attempts)
+        ):
+            reason = f"not delivered after {job.attempt - 1} attempts"
+            await self._start_failed(sandbox, job, reason)
+            return
+        try:
+            if sandbox is None or sandbox.state != "pending" or self.workers.local(sandbox.worker):
+                await self.deliver_job(job.id, forwarded=False)
+            else:
+                node_url = await self.workers.owner(sandbox.worker)
+                if node_url is None or node_url == self.workers.node_url:
+                    return  # nobody holds the tunnel now; the next claim tries again
+                wait = self.settings.start_timeout + 5.0
+                await self.workers.peers.provision(node_url, job.id, wait=wait)
+            log.info("job.recovered", extra={"job": job.id, "attempt": job.attempt})
+        except SandgateError as exc:
+            log.warning("job.recovery_failed", extra={"job": job.id, "error": exc.message})
+
+    async def _start_failed(self, sandbox: Sandbox, job: Job, reason: str) -> None:
         """Record the failure, free the key for a retry, and undo a half-done start."""
         now = utcnow()
         log.warning("sandbox.start_failed", extra={"sandbox": sandbox.name, "error": reason})
@@ -259,21 +346,11 @@ class SandboxService:
             await self.store.set_sandbox_state(
                 sandbox.name, "error", from_states=("pending",), error=reason, now=now
             )
-            if claim is not None:
-                await self.store.release_idempotency(sandbox.tenant_id, claim.digest, sandbox.name)
+            await self.store.release_idempotency(sandbox.tenant_id, sandbox.name)
         except SandgateError:
             log.exception("sandbox.start_failure_not_recorded", extra={"sandbox": sandbox.name})
         # the worker may have finished the start after we stopped waiting
         await self._destroy_on_worker(sandbox)
-
-    async def fail_stale_pending(self, limit: int = 100) -> int:
-        """Creates whose instance died before finishing: mark them error (nothing runs them)."""
-        before = utcnow() - timedelta(seconds=self.settings.start_timeout + STALE_PENDING_GRACE)
-        stale = await self.store.list_stale_pending(before, limit)
-        for sandbox in stale:
-            await self.stop(sandbox, "error", reason="its create did not finish; create it again")
-            log.warning("sandbox.create_abandoned", extra={"sandbox": sandbox.name})
-        return len(stale)
 
     # -- read --------------------------------------------------------------------------------
     async def get(self, tenant: TenantId, name: str) -> Sandbox:
@@ -321,11 +398,10 @@ class SandboxService:
         return moved
 
     async def _destroy_on_worker(self, sandbox: Sandbox) -> None:
-        session = self.state.tunnels.get(sandbox.worker or "")
-        if session is None:
-            return  # the worker removes it when it reconnects (it is unknown by then)
+        """Best effort: a worker we cannot reach removes it on its next heartbeat or hello."""
         try:
-            await session.channel.call("destroy", wait=DESTROY_WAIT, name=sandbox.name)
+            fields = {"name": sandbox.name}
+            await self.workers.request(sandbox.worker, "destroy", fields, wait=DESTROY_WAIT)
         except SandgateError as exc:
             log.warning(
                 "sandbox.destroy_failed", extra={"sandbox": sandbox.name, "error": exc.message}
@@ -350,15 +426,10 @@ class SandboxService:
     ) -> tuple[Header, bytes]:
         """Relay one agent call; `seconds` is how long the call itself may run."""
         sandbox = await self.running(tenant, name)
-        session = self.workers.session_for(sandbox.worker)
+        fields = {"sandbox": sandbox.name, "call": call, "timeout_s": seconds}
         try:
-            return await session.channel.call(
-                "agent",
-                payload,
-                wait=seconds + 5.0,
-                sandbox=sandbox.name,
-                call=call,
-                timeout_s=seconds,
+            return await self.workers.request(
+                sandbox.worker, "agent", fields, payload, wait=seconds + 5.0
             )
         except NotFoundError as exc:
             if exc.message.startswith("sandbox ") and "not running on this worker" in exc.message:

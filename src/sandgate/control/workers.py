@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from sandgate.agent.frames import Header
+from sandgate.control.peers import PeerClient
 from sandgate.errors import (
     AuthError,
     NetworkUnavailableError,
@@ -23,11 +26,29 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """A worker chosen for a new sandbox."""
+
+    worker: WorkerName
+    features: dict[str, Any]
+
+
 class WorkerRegistry:
-    def __init__(self, store: Store, state: ServerLocalState, *, node_url: str) -> None:
+    def __init__(
+        self,
+        store: Store,
+        state: ServerLocalState,
+        *,
+        node_url: str,
+        peers: PeerClient,
+        owner_ttl: float,
+    ) -> None:
         self.store = store
         self.state = state
         self.node_url = node_url
+        self.peers = peers
+        self.owner_ttl = owner_ttl
 
     # -- TunnelEvents ---------------------------------------------------------------------
     async def attached(self, session: TunnelSession, hello: Header) -> Header:
@@ -103,7 +124,10 @@ class WorkerRegistry:
         kind = header.get("event")
         now = utcnow()
         if kind == "heartbeat":
-            await self.store.claim_tunnel(session.worker, self.node_url, now)
+            if not await self.store.renew_tunnel(session.worker, self.node_url, now):
+                # someone else holds the record; take it only when theirs went stale
+                if await self.owner(session.worker) is None:
+                    await self.store.claim_tunnel(session.worker, self.node_url, now)
             await self.store.set_worker_connected(WorkerName(session.worker), True, now)
             reported = header.get("sandboxes")
             if isinstance(reported, list) and all(isinstance(n, str) for n in reported):
@@ -136,35 +160,69 @@ class WorkerRegistry:
         log.warning("tunnel.detached", extra={"worker": session.worker})
 
     # -- routing -----------------------------------------------------------------------------
-    def session_for(self, worker: str | None) -> TunnelSession:
+    def local(self, worker: str | None) -> TunnelSession | None:
         session = self.state.tunnels.get(worker or "")
-        if session is None or session.channel.closed:
-            raise TunnelUnavailableError("sandbox tunnel not available", retry_after=2.0)
-        return session
+        return None if session is None or session.channel.closed else session
 
-    async def pick(self, *, network: bool = False) -> TunnelSession:
-        """The connected worker with the most free capacity (offering network if asked)."""
-        best: tuple[int, TunnelSession] | None = None
+    async def owner(self, worker: str | None) -> str | None:
+        """The node_url of the instance holding the worker's tunnel, if fresh; else None."""
+        if not worker:
+            return None
+        found = await self.store.tunnel_owner(worker)
+        if found is None:
+            return None
+        node_url, updated_at = found
+        if (utcnow() - updated_at).total_seconds() > self.owner_ttl:
+            return None
+        return node_url
+
+    async def request(
+        self,
+        worker: str | None,
+        op: str,
+        fields: dict[str, Any],
+        payload: bytes = b"",
+        *,
+        wait: float,
+        forward: bool = True,
+    ) -> tuple[Header, bytes]:
+        """A tunnel request to `worker`: down our own tunnel, or through the instance that
+        holds it. `forward=False` is the hop guard for requests that came from a peer."""
+        session = self.local(worker)
+        if session is not None:
+            return await session.channel.request(op, fields, payload, wait=wait)
+        node_url = await self.owner(worker) if forward else None
+        if node_url is None or node_url == self.node_url:
+            raise TunnelUnavailableError("sandbox tunnel not available", retry_after=2.0)
+        assert worker is not None
+        return await self.peers.tunnel_call(node_url, worker, op, fields, payload, wait=wait)
+
+    async def is_connected(self, worker: str) -> bool:
+        return self.local(worker) is not None or await self.owner(worker) is not None
+
+    async def pick(self, *, network: bool = False) -> Placement:
+        """The connected worker (through any instance) with the most free capacity."""
+        best: tuple[int, Placement] | None = None
         offered = False
-        for session in list(self.state.tunnels.values()):
-            if session.channel.closed:
+        connected = 0
+        for worker in await self.store.list_workers():
+            if not await self.is_connected(worker.name):
                 continue
-            if network and session.features.get("network") not in ("host-optional", "host"):
+            connected += 1
+            if network and worker.features.get("network") not in ("host-optional", "host"):
                 continue
             offered = True
-            free = session.capacity - await self.store.count_live_sandboxes(
-                WorkerName(session.worker)
-            )
+            free = worker.capacity - await self.store.count_live_sandboxes(worker.name)
             if free > 0 and (best is None or free > best[0]):
-                best = (free, session)
+                best = (free, Placement(worker.name, worker.features))
         if best is None:
-            if network and not offered:
+            if network and connected and not offered:
                 raise NetworkUnavailableError(
                     "no connected worker offers network access; start a worker with "
                     "--allow-network (it gives sandboxes the host network) or create with "
                     '"network": false'
                 )
-            if not self.state.tunnels:
+            if not connected:
                 raise NoCapacityError("no worker is connected", retry_after=5.0)
             raise NoCapacityError("every connected worker is at capacity", retry_after=5.0)
         return best[1]

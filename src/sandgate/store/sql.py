@@ -25,6 +25,7 @@ import sqlite3
 import uuid
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar, cast
@@ -208,7 +209,6 @@ _BIND_WORKER_KEY = (
 )
 _RELEASE_IDEMPOTENCY = delete(idempotency_keys).where(
     idempotency_keys.c.tenant_id == bindparam("b_tenant_id"),
-    idempotency_keys.c.digest == bindparam("b_digest"),
     idempotency_keys.c.sandbox_name == bindparam("b_sandbox_name"),
 )
 _SET_EXPIRY = (
@@ -244,6 +244,34 @@ _SELECT_WORKERS = select(workers).order_by(workers.c.name)
 _RELEASE_TUNNEL = delete(tunnel_owners).where(
     tunnel_owners.c.tunnel_key == bindparam("b_key"),
     tunnel_owners.c.node_url == bindparam("b_node_url"),
+)
+_RENEW_TUNNEL = (
+    update(tunnel_owners)
+    .where(
+        tunnel_owners.c.tunnel_key == bindparam("b_key"),
+        tunnel_owners.c.node_url == bindparam("b_node_url"),
+    )
+    .values(updated_at=bindparam("b_now"))
+)
+_SELECT_STALE_JOBS = (
+    select(jobs)
+    .where(jobs.c.state == "pending", jobs.c.updated_at < bindparam("b_before"))
+    .order_by(jobs.c.updated_at, jobs.c.id)
+    .limit(bindparam("b_limit"))
+)
+_CLAIM_JOB = (
+    update(jobs)
+    .where(
+        jobs.c.id == bindparam("b_id"),
+        jobs.c.state == "pending",
+        jobs.c.updated_at == bindparam("b_old_updated_at"),
+        jobs.c.attempt == bindparam("b_old_attempt"),
+    )
+    .values(
+        updated_at=bindparam("b_now"),
+        attempt=bindparam("b_attempt"),
+        claimed_by=bindparam("b_claimer"),
+    )
 )
 _SELECT_TUNNEL = select(tunnel_owners.c.node_url, tunnel_owners.c.updated_at).where(
     tunnel_owners.c.tunnel_key == bindparam("b_key")
@@ -622,11 +650,9 @@ class SqlStore:
         return 0 if row is None else int(row[0])
 
     @_store_op
-    async def release_idempotency(
-        self, tenant_id: TenantId, digest: str, sandbox_name: SandboxName
-    ) -> bool:
-        params = {"b_tenant_id": tenant_id, "b_digest": digest, "b_sandbox_name": sandbox_name}
-        return await self._write(_RELEASE_IDEMPOTENCY, params) == 1
+    async def release_idempotency(self, tenant_id: TenantId, sandbox_name: SandboxName) -> bool:
+        params = {"b_tenant_id": tenant_id, "b_sandbox_name": sandbox_name}
+        return await self._write(_RELEASE_IDEMPOTENCY, params) >= 1
 
     @_store_op
     async def list_stale_pending(self, before: datetime, limit: int) -> list[Sandbox]:
@@ -752,6 +778,42 @@ class SqlStore:
         return [_worker(r) for r in await self._fetch_all(_SELECT_WORKERS, {})]
 
     # --- tunnel ownership
+
+    @_store_op
+    async def claim_stale_jobs(
+        self, before: datetime, claimer: str, now: datetime, limit: int
+    ) -> list[Job]:
+        """Pending jobs last touched before `before`, each won by compare-and-swap.
+
+        The swap is on the job's `updated_at` and `attempt` as read: of N instances reading
+        the same job, exactly one update matches; the others see zero rows and skip it.
+        """
+        if limit <= 0:
+            return []
+        rows = await self._fetch_all(_SELECT_STALE_JOBS, {"b_before": before, "b_limit": limit})
+        won = []
+        for row in rows:
+            candidate = _job(row)
+            moved = await self._write(
+                _CLAIM_JOB,
+                {
+                    "b_id": candidate.id,
+                    "b_old_updated_at": row.updated_at,
+                    "b_old_attempt": candidate.attempt,
+                    "b_now": now,
+                    "b_attempt": candidate.attempt + 1,
+                    "b_claimer": claimer,
+                },
+            )
+            if moved == 1:
+                won.append(replace(candidate, attempt=candidate.attempt + 1, updated_at=now))
+        return won
+
+    @_store_op
+    async def renew_tunnel(self, tunnel_key: str, node_url: str, now: datetime) -> bool:
+        """Renew ownership only if this node still holds it: never steal it back."""
+        params = {"b_key": tunnel_key, "b_node_url": node_url, "b_now": now}
+        return await self._write(_RENEW_TUNNEL, params) == 1
 
     @_store_op
     async def claim_tunnel(self, tunnel_key: str, node_url: str, now: datetime) -> None:

@@ -17,8 +17,6 @@ from typing import Any
 from sandgate.agent.frames import Header, encode, error_header
 from sandgate.errors import (
     ConflictError,
-    InvalidRequestError,
-    NotFoundError,
     PathOutsideSandboxError,
     SandboxTimeoutError,
     SandgateError,
@@ -32,20 +30,29 @@ Send = Callable[[bytes], Awaitable[None]]
 Handler = Callable[[Header, bytes], Awaitable[tuple[Header, bytes]]]
 EventHandler = Callable[[Header, bytes], Awaitable[None]]
 
-# Error codes a peer may answer with, and the domain error each becomes here.
-_REMOTE_ERRORS: Mapping[str, type[SandgateError]] = MappingProxyType(
+# Error codes the agent answers with, beyond the domain errors' own codes.
+_AGENT_ERRORS: Mapping[str, type[SandgateError]] = MappingProxyType(
     {
-        "not_found": NotFoundError,
-        "path_outside_sandbox": PathOutsideSandboxError,
-        "invalid_request": InvalidRequestError,
         "exists": ConflictError,
         "not_a_directory": ConflictError,
         "is_a_directory": ConflictError,
         "directory_not_empty": ConflictError,
+        "not_running": ConflictError,
         "permission_denied": PathOutsideSandboxError,
-        "network_unavailable": InvalidRequestError,
+        "io_error": WorkerError,
     }
 )
+
+
+def _error_class(code: str) -> type[SandgateError]:
+    """The domain error with this code (any subclass of SandgateError), else WorkerError."""
+    pending: list[type[SandgateError]] = [SandgateError]
+    while pending:
+        cls = pending.pop()
+        if cls.code == code and cls is not SandgateError:
+            return cls
+        pending.extend(cls.__subclasses__())
+    return _AGENT_ERRORS.get(code, WorkerError)
 
 
 class LinkClosedError(TunnelUnavailableError):
@@ -56,8 +63,7 @@ def remote_error(header: Header) -> SandgateError:
     err = header.get("error") or {}
     code = str(err.get("code", "worker_error"))
     message = str(err.get("message", "the peer failed without a message"))
-    cls = _REMOTE_ERRORS.get(code, WorkerError)
-    return cls(message, code=code)
+    return _error_class(code)(message, code=code)
 
 
 class RpcChannel:

@@ -101,9 +101,11 @@ class WorkerService:
     async def provision(self, spec: SandboxSpec) -> LiveSandbox:
         live = self.state.sandboxes.get(spec.name)
         if live is not None:
+            log.info("sandbox.provision_repeat", extra={"sandbox": spec.name})
             return live
         pending = self.state.provisioning.get(spec.name)
         if pending is not None:
+            log.info("sandbox.provision_repeat", extra={"sandbox": spec.name})
             return await asyncio.shield(pending)
         if len(self.state.sandboxes) + len(self.state.provisioning) >= self.capacity:
             raise NoCapacityError(f"worker is at its capacity of {self.capacity} sandboxes")

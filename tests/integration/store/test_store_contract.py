@@ -676,10 +676,10 @@ async def test_worker_key_binds_to_its_first_name(store: SqlStore) -> None:
 
 async def test_release_idempotency_frees_the_key_for_its_sandbox_only(store: SqlStore) -> None:
     await create(store, sandbox("first"), digest="d1")
-    assert await store.release_idempotency(TenantId("t1"), "d1", SandboxName("other")) is False
-    assert await store.release_idempotency(TenantId("t2"), "d1", SandboxName("first")) is False
+    assert await store.release_idempotency(TenantId("t1"), SandboxName("other")) is False
+    assert await store.release_idempotency(TenantId("t2"), SandboxName("first")) is False
     assert await store.find_idempotency(TenantId("t1"), "d1") is not None
-    assert await store.release_idempotency(TenantId("t1"), "d1", SandboxName("first")) is True
+    assert await store.release_idempotency(TenantId("t1"), SandboxName("first")) is True
     assert await store.find_idempotency(TenantId("t1"), "d1") is None
     await create(store, sandbox("second"), digest="d1")  # the key can be used again
     record = await store.find_idempotency(TenantId("t1"), "d1")
@@ -693,3 +693,37 @@ async def test_list_stale_pending(store: SqlStore) -> None:
     before = T0 + timedelta(minutes=1)
     assert names(await store.list_stale_pending(before, 10)) == ["old-pending"]
     assert await store.list_stale_pending(before, 0) == []
+
+
+async def test_claim_stale_jobs_has_one_winner(store_url: str) -> None:
+    first, second = await open_store(store_url), await open_store(store_url)
+    try:
+        for i in range(10):
+            await create(first, sandbox(f"job-{i}"))
+        later = T0 + timedelta(minutes=5)
+        won_a, won_b = await asyncio.gather(
+            first.claim_stale_jobs(T0 + timedelta(minutes=1), "a", later, 100),
+            second.claim_stale_jobs(T0 + timedelta(minutes=1), "b", later, 100),
+        )
+        ids = [j.id for j in won_a] + [j.id for j in won_b]
+        assert sorted(ids) == sorted(f"job-job-{i}" for i in range(10))  # each once
+        assert all(j.attempt == 1 and j.updated_at == later for j in won_a + won_b)
+        # freshly claimed: not stale again until `before` passes their new updated_at
+        assert await first.claim_stale_jobs(later, "a", later, 100) == []
+        again = await first.claim_stale_jobs(later + timedelta(seconds=1), "a", later, 100)
+        assert len(again) == 10 and all(j.attempt == 2 for j in again)
+        await first.finish_job(again[0].id, "completed", now=later)
+        left = await first.claim_stale_jobs(later + timedelta(minutes=9), "a", later, 100)
+        assert again[0].id not in [j.id for j in left]
+    finally:
+        await first.aclose()
+        await second.aclose()
+
+
+async def test_renew_tunnel_never_steals(store: SqlStore) -> None:
+    await store.claim_tunnel("w", "http://a", T0)
+    assert await store.renew_tunnel("w", "http://a", T0 + timedelta(seconds=5)) is True
+    await store.claim_tunnel("w", "http://b", T0 + timedelta(seconds=6))  # moved to b
+    assert await store.renew_tunnel("w", "http://a", T0 + timedelta(seconds=7)) is False
+    owner = await store.tunnel_owner("w")
+    assert owner is not None and owner[0] == "http://b"

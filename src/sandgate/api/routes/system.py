@@ -26,7 +26,7 @@ async def list_workers(who: Tenant, svc: Svc) -> dict[str, Any]:
         "workers": [
             {
                 "name": w.name,
-                "connected": w.name in svc.state.tunnels,
+                "connected": await svc.workers.is_connected(w.name),
                 "capacity": w.capacity,
                 "live_sandboxes": await svc.store.count_live_sandboxes(w.name),
                 "features": w.features,
@@ -44,7 +44,7 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz", include_in_schema=False)
 async def readyz(svc: Svc) -> JSONResponse:
-    problems = []
+    problems = [f"peer: {problem}" for problem in svc.state.peer_problems.values()]
     try:
         await svc.store.list_workers()
     except Exception as exc:

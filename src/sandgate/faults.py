@@ -1,0 +1,34 @@
+"""Fault points for tests, all named here. Set with SANDGATE_FAULTS=a,b (comma-separated).
+
+An instance started with any of them logs it loudly at start; an unknown name refuses to
+start, so a typo never silently tests nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from types import MappingProxyType
+
+FAULTS = MappingProxyType(
+    {
+        "skip-delivery": (
+            "accept creates (sandbox, job and key committed) and never deliver them, as if the "
+            "instance died right after the commit; the request answers 503 delivery_skipped"
+        ),
+        "exit-after-accept": (
+            "SIGKILL this process right after committing an accept, before any delivery"
+        ),
+    }
+)
+
+
+def parse(value: str | None) -> frozenset[str]:
+    names = frozenset(n.strip() for n in (value or "").split(",") if n.strip())
+    unknown = sorted(names - set(FAULTS))
+    if unknown:
+        raise ValueError(f"unknown fault {unknown[0]!r}; known: {', '.join(FAULTS)}")
+    return names
+
+
+def from_environment() -> frozenset[str]:
+    return parse(os.environ.get("SANDGATE_FAULTS"))

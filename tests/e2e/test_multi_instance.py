@@ -1,0 +1,429 @@
+"""Several instances on one PostgreSQL: recovery claims, crashes after accept, owner expiry,
+forwarded streams, signed internal calls. Real processes throughout (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from tests.e2e.conftest import (
+    HEARTBEAT,
+    RECOVERY_AFTER,
+    RECOVERY_INTERVAL,
+    Cluster,
+    Instance,
+    with_database,
+    pg,
+)
+from tests.integration.api.conftest import free_port, sandgate, wait_until
+
+TUNNEL_UNAVAILABLE = {
+    "error": {"code": "tunnel_unavailable", "message": "sandbox tunnel not available"}
+}
+
+
+def report(line: str) -> None:
+    sys.stderr.write(line + "\n")
+
+
+def create(client: httpx.Client, body: dict[str, object], key: str | None = None) -> httpx.Response:
+    headers = {"Idempotency-Key": key} if key else {}
+    return client.post("/api/v1/sandboxes", json=body, headers=headers)
+
+
+def running_sandbox(cluster: Cluster, inst: Instance, **metadata: str) -> str:
+    with cluster.client(inst) as c:
+        response = create(c, {"metadata": metadata, "timeout": 900})
+        assert response.status_code == 201, response.text
+        assert response.json()["state"] == "running", response.text
+        return str(response.json()["name"])
+
+
+def states_by_tag(cluster: Cluster, tag: str, value: str) -> dict[str, str]:
+    rows = cluster.sql(
+        "select name, state from sandboxes where metadata->>$1 = $2", tag, value
+    )
+    return {r["name"]: r["state"] for r in rows}
+
+
+# -- (a) the compare-and-swap claim ------------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_recovery_claims_each_stale_create_once(clean: Cluster) -> None:
+    """50 creates accepted by an instance that never delivers; A and B race to recover them:
+    every one is delivered, each exactly once, counted at the worker."""
+    cluster = clean
+    # C takes no part in recovery: only the two healthy instances race for the claims
+    c_inst = cluster.start_instance("C", faults="skip-delivery", recovery_after=3600)
+    run = uuid.uuid4().hex[:8]
+    with cluster.client(c_inst) as c:
+
+        def accept(i: int) -> httpx.Response:
+            return create(c, {"metadata": {"cas": run, "i": str(i)}, "timeout": 900})
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=10) as pool:
+            answers = list(pool.map(accept, range(50)))
+    accepted_at = time.monotonic()
+    for answer in answers:
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "delivery_skipped", answer.text
+        assert answer.headers.get("retry-after"), answer.headers
+    states = states_by_tag(cluster, "cas", run)
+    assert len(states) == 50, states
+    assert set(states.values()) == {"pending"}, states  # C never delivers
+
+    def all_running() -> bool:
+        return set(states_by_tag(cluster, "cas", run).values()) == {"running"}
+
+    wait_until(
+        all_running, timeout=RECOVERY_AFTER + RECOVERY_INTERVAL + 40, interval=0.2,
+        what="all 50 recovered",
+    )
+    took = time.monotonic() - accepted_at
+    names = set(states_by_tag(cluster, "cas", run))
+    time.sleep(RECOVERY_INTERVAL * 3)  # a late second claim would show up by now
+
+    starts, repeats = cluster.worker_events()
+    assert {n: starts[n] for n in names if starts[n] != 1} == {}, "started other than once"
+    assert {n: repeats[n] for n in names if repeats[n]} == {}, "delivered more than once"
+    jobs = cluster.sql(
+        "select state, claimed_by from jobs where kind = 'create' and sandbox_name = any($1)",
+        list(names),
+    )
+    assert len(jobs) == 50
+    assert {j["state"] for j in jobs} == {"completed"}, jobs
+    claimers = sorted({str(j["claimed_by"]) for j in jobs})
+    report(f"(a) 50 stale creates recovered in {took:.1f} s; claimed by {claimers}")
+    assert set(states_by_tag(cluster, "cas", run).values()) == {"running"}
+
+
+# -- (b) crashes right after accept, retried through another instance ---------------------------
+@pytest.mark.timeout(420)
+def test_exit_after_accept_loses_nothing_and_duplicates_nothing(clean: Cluster) -> None:
+    """100 creates with their own Idempotency-Keys, many sent first to an instance that
+    dies right after committing an accept (killing whatever else it had in flight, at a
+    random point), all retried through the healthy instances until 2xx: every key ends with
+    exactly one running sandbox, started once."""
+    cluster = clean
+    d = cluster.start_instance("D", faults="exit-after-accept")
+    healthy = [cluster.instances["A"], cluster.instances["B"]]
+    run = uuid.uuid4().hex[:8]
+    rng = random.Random(run)
+    keys = [f"e2e-{run}-{i}-{uuid.uuid4().hex}" for i in range(100)]
+    to_d = {k for k in keys if rng.random() < 0.5}
+    stop = threading.Event()
+    restart_lock = threading.Lock()
+    outcomes: dict[str, tuple[int, dict[str, object], str]] = {}
+    d_results: dict[str, str] = {}
+
+    def supervise() -> None:
+        while not stop.is_set():
+            with restart_lock:
+                if d.proc is not None and d.proc.poll() is not None:
+                    cluster.launch(d)
+            time.sleep(0.05)
+
+    def one(key: str) -> None:
+        body = {"metadata": {"run": run, "k": key}, "timeout": 900}
+        if key in to_d:
+            time.sleep(rng.random() * 3)  # spread over D's lives
+            try:
+                with httpx.Client(
+                    base_url=d.url,
+                    headers={"Authorization": f"Bearer {cluster.key}"},
+                    timeout=30,
+                ) as c:
+                    first = create(c, body, key)
+                d_results[key] = str(first.status_code)
+                if first.is_success:
+                    outcomes[key] = (first.status_code, first.json(), "D")
+                    return
+            except httpx.TransportError as exc:
+                d_results[key] = type(exc).__name__
+        deadline = time.monotonic() + 150
+        attempt = 0
+        while time.monotonic() < deadline:
+            inst = healthy[attempt % 2] if key in to_d else rng.choice(healthy)
+            attempt += 1
+            try:
+                with cluster.client(inst, timeout=90) as c:
+                    answer = create(c, body, key)
+            except httpx.TransportError:
+                time.sleep(0.5)
+                continue
+            if answer.is_success:
+                outcomes[key] = (answer.status_code, answer.json(), inst.name)
+                return
+            assert answer.status_code in (429, 503), answer.text  # retryable only
+            time.sleep(min(float(answer.headers.get("retry-after", "1")), 2.0))
+        raise AssertionError(f"create {key} never succeeded")
+
+    supervisor = threading.Thread(target=supervise, daemon=True)
+    supervisor.start()
+    started = time.monotonic()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=24) as pool:
+            for future in [pool.submit(one, k) for k in keys]:
+                future.result()
+    finally:
+        stop.set()
+        supervisor.join(timeout=40)
+    took = time.monotonic() - started
+    assert len(outcomes) == 100
+
+    # replays may answer while the sandbox still starts: wait for every one to run
+    def all_running() -> bool:
+        return set(states_by_tag(cluster, "run", run).values()) == {"running"}
+
+    wait_until(all_running, timeout=60, interval=0.2, what="every create running")
+    rows = cluster.sql(
+        "select metadata->>'k' as k, count(*) as n, min(name) as name from sandboxes "
+        "where metadata->>'run' = $1 group by 1",
+        run,
+    )
+    per_key = {r["k"]: r["n"] for r in rows}
+    assert set(per_key) == set(keys), "a create was lost"
+    assert {k: n for k, n in per_key.items() if n != 1} == {}, "duplicate sandboxes"
+    names = {r["k"]: r["name"] for r in rows}
+    for key, (_, sandbox, _) in outcomes.items():
+        assert sandbox["name"] == names[key], (key, sandbox, names[key])
+    starts, _ = cluster.worker_events()
+    assert {n: starts[n] for n in names.values() if starts[n] != 1} == {}, "started twice"
+    deaths = d.starts - 1
+    dropped = sum(1 for v in d_results.values() if not v.isdigit())
+    recovered = cluster.sql(
+        "select count(*) as n from jobs j join sandboxes s on s.name = j.sandbox_name "
+        "where s.metadata->>'run' = $1 and j.claimed_by is not null",
+        run,
+    )[0]["n"]
+    report(
+        f"(b) 100 creates in {took:.1f} s: {len(to_d)} sent to D first, D died {deaths} times, "
+        f"{dropped} of those saw a dropped connection, {recovered} jobs claimed by recovery; "
+        f"answers {sorted(Counter_of(o[0] for o in outcomes.values()).items())}"
+    )
+    assert deaths >= 1, "exit-after-accept never fired"
+
+
+def Counter_of(values: object) -> dict[int, int]:  # noqa: N802 - tiny local helper
+    out: dict[int, int] = {}
+    for v in values:  # type: ignore[attr-defined]
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+# -- (c) owner expiry -----------------------------------------------------------------------------
+@pytest.mark.timeout(150)
+def test_stale_owner_answers_503_tunnel_unavailable(clean: Cluster) -> None:
+    cluster = clean
+    a = cluster.instances["A"]
+    ttl = 3.0
+    e = cluster.start_instance("E", owner_ttl=ttl)
+    name = running_sandbox(cluster, a, t="owner-expiry")
+    owner = cluster.owner()
+    assert owner is not None and owner[0] == a.url, owner
+    with cluster.client(cluster.instances["B"]) as b:
+        ok = b.post(f"/api/v1/sandboxes/{name}/execute", json={"code": "echo ok"})
+        assert ok.status_code == 200 and ok.json()["stdout"] == "ok\n", ok.text
+
+    assert a.proc is not None
+    os.kill(a.proc.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        answer: httpx.Response | None = None
+        with cluster.client(e, timeout=2) as client:
+            while time.monotonic() - stopped < ttl + HEARTBEAT + 5:
+                try:
+                    r = client.post(f"/api/v1/sandboxes/{name}/execute", json={"code": "echo ok"})
+                except httpx.TimeoutException:
+                    continue  # forwarded to the stopped owner before the record went stale
+                if r.status_code == 503:
+                    answer = r
+                    break
+                time.sleep(0.2)
+        took = time.monotonic() - stopped
+        assert answer is not None, f"no 503 within {took:.1f} s of stopping the owner"
+        assert answer.json() == TUNNEL_UNAVAILABLE, answer.text
+        assert answer.headers.get("retry-after"), answer.headers
+        assert took <= ttl + HEARTBEAT, f"503 after {took:.1f} s, ttl {ttl} s"
+        report(f"(c) non-owner answered 503 tunnel_unavailable {took:.1f} s after SIGSTOP")
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+
+    # the owner comes back: forwarding works again (through B, whose ttl is the default)
+    with cluster.client(cluster.instances["B"], timeout=10) as b:
+
+        def forwarded() -> bool:
+            r = b.post(f"/api/v1/sandboxes/{name}/execute", json={"code": "echo ok"})
+            return r.status_code == 200 and r.json()["stdout"] == "ok\n"
+
+        wait_until(forwarded, timeout=60, interval=0.5, what="forwarding after SIGCONT")
+
+
+# -- (d) forwarded streams --------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_100mb_upload_and_download_through_the_non_owner(clean: Cluster) -> None:
+    cluster = clean
+    name = running_sandbox(cluster, cluster.instances["A"], t="stream")
+    size = 100 << 20
+    block = os.urandom(1 << 20)
+    expected = hashlib.sha256(block * 100).hexdigest()
+
+    def stream():  # type: ignore[no-untyped-def]
+        for _ in range(size // len(block)):
+            yield block
+
+    files = f"/api/v1/sandboxes/{name}/toolbox/files"
+    with cluster.client(cluster.instances["B"], timeout=120) as b:
+        t0 = time.monotonic()
+        put = b.put(files, params={"path": "big.bin"}, content=stream())
+        up = time.monotonic() - t0
+        assert put.status_code == 200, put.text
+        assert put.json()["size"] == size
+        remote = b.post(f"/api/v1/sandboxes/{name}/execute", json={"code": "sha256sum big.bin"})
+        assert remote.json()["stdout"].split()[0] == expected, remote.text
+        digest = hashlib.sha256()
+        received = 0
+        t0 = time.monotonic()
+        with b.stream("GET", files, params={"path": "big.bin"}) as response:
+            assert response.status_code == 200
+            assert response.headers["content-length"] == str(size)
+            for chunk in response.iter_bytes():
+                digest.update(chunk)
+                received += len(chunk)
+        down = time.monotonic() - t0
+    assert received == size
+    assert digest.hexdigest() == expected
+    report(f"(d) 100 MB through the non-owner: upload {up:.1f} s, download {down:.1f} s")
+
+
+async def _read_until(ws: ClientConnection, needle: bytes) -> bytes:
+    seen = b""
+    async with asyncio.timeout(15):
+        while needle not in seen:
+            message = await ws.recv()
+            if isinstance(message, bytes):
+                seen += message
+    return seen
+
+
+@pytest.mark.timeout(90)
+def test_pty_session_through_the_non_owner(clean: Cluster) -> None:
+    cluster = clean
+    name = running_sandbox(cluster, cluster.instances["A"], t="pty")
+    b = cluster.instances["B"]
+    url = f"ws://127.0.0.1:{b.port}/api/v1/sandboxes/{name}/toolbox/pty?cols=100&rows=30"
+
+    async def session() -> dict[str, object] | None:
+        headers = {"Authorization": f"Bearer {cluster.key}"}
+        async with connect(url, additional_headers=headers) as ws:
+            await ws.send(b"stty size; echo hi-$((40+2))\r")
+            out = await _read_until(ws, b"hi-42")
+            assert b"30 100" in out
+            await ws.send(json.dumps({"type": "resize", "cols": 120, "rows": 50}))
+            await ws.send(b"stty size\r")
+            await _read_until(ws, b"50 120")
+            await ws.send(b"exit 7\r")
+            final = None
+            try:
+                while True:
+                    message = await asyncio.wait_for(ws.recv(), 15)
+                    if isinstance(message, str):
+                        final = json.loads(message)
+            except ConnectionClosed:
+                pass
+            return final
+
+    assert asyncio.run(session()) == {"type": "exit", "exit_code": 7}
+
+
+# -- (e) internal endpoints are signed ---------------------------------------------------------
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("POST", "/internal/provision"), ("GET", "/internal/nothing-here"), ("POST", "/internal/forward")],
+)
+def test_unsigned_internal_requests_are_refused(
+    cluster: Cluster, method: str, path: str
+) -> None:
+    inst = cluster.instances["B"]
+    for headers in ({}, {"Authorization": f"Bearer {cluster.key}"}):
+        r = httpx.request(
+            method, inst.url + path, json={"job_id": "x"}, headers=headers, timeout=10
+        )
+        assert r.status_code == 401, (method, path, r.status_code, r.text)
+
+
+# -- (f) refusals at start ---------------------------------------------------------------------
+def _refused(args: list[str], timeout: float = 30) -> str:
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "sandgate", "server", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={k: v for k, v in os.environ.items() if not k.startswith("SANDGATE_")},
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"sandgate server {args} did not refuse to start") from exc
+    assert out.returncode != 0, out
+    return out.stdout + out.stderr
+
+
+def test_second_instance_on_one_sqlite_file_refuses(tmp_path: Path, pg_dsn: str) -> None:
+    db = f"sqlite:///{tmp_path / 'one.db'}"
+    port = free_port()
+    with open(tmp_path / "first.log", "ab") as log:
+        first = subprocess.Popen(
+            [sys.executable, "-m", "sandgate", "server", "--db", db, "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until(
+            lambda: httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200,
+            what="first instance",
+        )
+        message = _refused(["--db", db, "--port", str(free_port())])
+        assert "instance" in message.lower(), message
+    finally:
+        first.terminate()
+        first.wait(timeout=20)
+
+
+def test_postgres_instance_refuses_without_node_url_or_secret_or_schema(
+    cluster: Cluster, pg_dsn: str
+) -> None:
+    secret = ["--secret-file", str(cluster.secret_file)]
+    port = str(free_port())
+    node = ["--node-url", f"http://127.0.0.1:{port}"]
+    message = _refused(["--db", cluster.db_url, "--port", port, *secret])
+    assert "node-url" in message, message
+    message = _refused(["--db", cluster.db_url, "--port", port, *node])
+    assert "secret" in message, message
+    empty = f"sandgate_e2e_empty_{uuid.uuid4().hex[:8]}"
+    pg(cluster.admin_dsn, f'CREATE DATABASE "{empty}"')
+    try:
+        message = _refused(["--db", with_database(pg_dsn, empty), "--port", port, *node, *secret])
+        assert "sandgate migrate" in message, message
+    finally:
+        pg(cluster.admin_dsn, f'DROP DATABASE IF EXISTS "{empty}" WITH (FORCE)')
+
+
+# keep the imported helper referenced for readers who grep for it
+_ = sandgate
