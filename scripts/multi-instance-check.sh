@@ -366,7 +366,11 @@ ok "the retry of that create on B returns the same sandbox (200, Idempotent-Repl
 # -- 6. deleted while pending stays deleted ------------------------------------------------
 sleep "$RECOVERY_INTERVAL"   # one more loop past the window, for good measure
 state=$(sandbox_state "$A" "$S4")
-[ "$state" = deleted ] || fail "sandbox $S4 deleted while pending is now '$state'"
+case "$state" in deleted | http-404) ;; *) fail "sandbox $S4 deleted while pending is now '$state' through the API" ;; esac
+row=$(sql "select state from sandboxes where name = '$S4'")
+case "$row" in deleted | '') ;; *) fail "sandbox $S4 deleted while pending is '$row' in the store" ;; esac
+api GET "$A/api/v1/sandboxes?state=running&metadata.mic=deleted"
+[ "$STATUS" = 200 ] && [ "$(jfield 'len(d["sandboxes"])')" = 0 ] || fail "a running sandbox carries the deleted one's tag"
 job=$(sql "select state from jobs where sandbox_name = '$S4' and kind = 'create'")
 [ "$job" = failed ] || fail "create job of deleted $S4 is '$job', expected failed"
 [ "$(worker_starts "$S4")" = 0 ] || fail "the worker started the deleted sandbox $S4"

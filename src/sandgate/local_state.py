@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sandgate.store.base import ApiKey, Sandbox
     from sandgate.tunnel.hub import TunnelSession
+    from sandgate.tunnel.rpc import RpcChannel
     from sandgate.worker.service import LiveSandbox
 
 
@@ -39,6 +40,9 @@ class ServerLocalState:
     # peer node_url -> what is wrong with it (it answered HTML, refused our signature).
     # Per-process by nature: what this instance saw; shown in /readyz and the log.
     peer_problems: dict[str, str] = field(default_factory=dict)
+    # peer node_url -> the open link to it (a signed WebSocket carrying tunnel requests).
+    # Per-process by nature: a connection; redialed when it drops.
+    peer_links: dict[str, asyncio.Future[RpcChannel]] = field(default_factory=dict)
 
     def cached_key(self, key_hash: str, ttl: float) -> ApiKey | None:
         hit = self.auth_cache.get(key_hash)
@@ -82,6 +86,16 @@ STATE_TABLE: dict[str, StateRow] = {
         "configuration problems seen when calling other instances",
         "one per peer instance",
         "per-process by nature: each instance reports in /readyz what it saw itself",
+    ),
+    "ServerLocalState.peer_links": StateRow(
+        "open WebSocket links to other instances, for forwarded tunnel requests",
+        "one per peer instance",
+        "per-process by nature: connections, redialed on demand",
+    ),
+    "PeerClient._links": StateRow(
+        "serve loops of this instance's open peer links",
+        "one per peer instance",
+        "per-process by nature; cancelled at shutdown",
     ),
     "WorkerLocalState.sandboxes": StateRow(
         "sandboxes running on this worker and their agent pipes",

@@ -87,7 +87,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_json_bytes,
-        streaming_suffixes=("/toolbox/files", "/stdin", "/internal/tunnel-call"),
+        streaming_suffixes=("/toolbox/files", "/stdin"),
     )
     app.add_middleware(InternalAuth, secret=settings.secret)  # outermost: before any parsing
     return app

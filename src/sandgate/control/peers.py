@@ -1,29 +1,32 @@
 """Calls to other instances (`/internal/*`), signed with the shared secret.
 
-Only two things cross: a tunnel request for a worker whose tunnel the peer holds
-(`/internal/tunnel-call`, a frame in and a frame out, so every toolbox path — files in
-chunks, process output long-polls, terminal keys — is relayed the same way), and the
-delivery of an accepted create (`/internal/provision`). Targets come only from the store's
-`tunnel_owners`, never from anything a client or worker sent.
+Only two things cross: tunnel requests for a worker whose tunnel the peer holds, and the
+delivery of an accepted create (`POST /internal/provision`). Tunnel requests travel over one
+long-lived WebSocket per peer (`/internal/peer`, signed at the handshake) carrying the same
+frames and request/response channel as the tunnels themselves, so every toolbox path — files
+in chunks, process output long-polls, terminal keys — is relayed the same way, with no new
+connection per request. Targets come only from the store's `tunnel_owners`, never from
+anything a client or worker sent.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
 
 import httpx
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-from sandgate.agent.frames import FrameError, Header, decode, encode
+from sandgate.agent.frames import MAX_PAYLOAD_BYTES, Header, decode
 from sandgate.core.signing import signed_headers
 from sandgate.errors import TunnelUnavailableError, UnavailableError
 from sandgate.local_state import ServerLocalState
-from sandgate.tunnel.rpc import remote_error
+from sandgate.tunnel.rpc import RpcChannel, remote_error
 
 log = logging.getLogger(__name__)
-
-FRAME_TYPE = "application/x-sandgate-frame"
 
 
 class PeerMisconfiguredError(UnavailableError):
@@ -34,12 +37,16 @@ class PeerClient:
     def __init__(self, *, secret: str, state: ServerLocalState) -> None:
         self._secret = secret
         self._state = state
+        self._links: set[asyncio.Task[None]] = set()  # serve loops of open peer links
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(30.0, connect=3.0),
             limits=httpx.Limits(max_connections=200, max_keepalive_connections=50),
         )
 
     async def aclose(self) -> None:
+        for task in list(self._links):
+            task.cancel()
+        await asyncio.gather(*self._links, return_exceptions=True)
         await self._http.aclose()
 
     async def tunnel_call(
@@ -52,17 +59,103 @@ class PeerClient:
         *,
         wait: float,
     ) -> tuple[Header, bytes]:
-        body = encode({"worker": worker, "op": op, "fields": fields, "wait": wait}, payload)
-        response = await self._post(node_url, "/internal/tunnel-call", body, FRAME_TYPE, wait)
-        if response.headers.get("content-type", "").startswith(FRAME_TYPE):
+        channel = await self._link(node_url)
+        request = {"worker": worker, "op_": op, "fields": fields, "wait": wait}
+        return await channel.request("tunnel", request, payload, wait=wait + 5.0)
+
+    async def _link(self, node_url: str) -> RpcChannel:
+        """The open link to a peer, dialing it once (concurrent callers share the dial)."""
+        pending = self._state.peer_links.get(node_url)
+        if pending is not None:
+            if not pending.done():
+                return await asyncio.shield(pending)
+            if not pending.exception() and not pending.result().closed:
+                return pending.result()
+        future: asyncio.Future[RpcChannel] = asyncio.get_running_loop().create_future()
+        self._state.peer_links[node_url] = future
+        try:
+            channel = await self._dial(node_url)
+        except BaseException as exc:
+            self._state.peer_links.pop(node_url, None)
+            error = exc if isinstance(exc, Exception) else TunnelUnavailableError("cancelled")
+            future.set_exception(error)
+            future.exception()
+            raise
+        future.set_result(channel)
+        return channel
+
+    async def _dial(self, node_url: str) -> RpcChannel:
+        path = "/internal/peer"
+        url = node_url.rstrip("/").replace("https://", "wss://").replace("http://", "ws://") + path
+        headers = signed_headers(self._secret, "GET", path, time.time(), b"")
+        try:
+            ws = await connect(
+                url,
+                additional_headers=headers,
+                max_size=MAX_PAYLOAD_BYTES + (2 << 20),
+                open_timeout=3,
+                ping_interval=10,
+                ping_timeout=20,
+                compression=None,
+            )
+        except InvalidStatus as exc:
+            raise self._refused(node_url, exc.response.status_code, exc.response.headers) from None
+        except (OSError, TimeoutError, WebSocketException) as exc:
+            raise TunnelUnavailableError(
+                f"sandbox tunnel not available: its instance {node_url} did not answer ({exc!r})",
+                retry_after=2.0,
+            ) from None
+
+        async def send(frame: bytes) -> None:
+            await ws.send(frame)
+
+        async def frames() -> tuple[Header, bytes] | None:
             try:
-                header, data = decode(response.content)
-            except FrameError as exc:
-                raise PeerMisconfiguredError(f"peer {node_url} sent a bad frame: {exc}") from None
-            if not header.get("ok"):
-                raise remote_error(header)
-            return header, data
-        raise self._error(node_url, response)
+                message = await ws.recv()
+            except ConnectionClosed:
+                return None
+            return decode(message if isinstance(message, bytes) else message.encode())
+
+        channel = RpcChannel(send, name=f"peer {node_url}")
+
+        async def serve() -> None:
+            try:
+                await channel.serve(frames)
+            except Exception:
+                log.warning("peer.link_failed", extra={"peer": node_url}, exc_info=True)
+            finally:
+                await ws.close()
+                link = self._state.peer_links.get(node_url)
+                if link is not None and link.done() and not link.exception():
+                    if link.result() is channel:
+                        self._state.peer_links.pop(node_url, None)
+
+        task = asyncio.create_task(serve())  # owned here; cancelled in aclose()
+        self._links.add(task)
+        task.add_done_callback(self._links.discard)
+        self._state.peer_problems.pop(node_url, None)
+        log.info("peer.linked", extra={"peer": node_url})
+        return channel
+
+    def _refused(self, node_url: str, status: int, headers: Any) -> Exception:
+        if str(headers.get("content-type", "")).startswith("text/html"):
+            return self._html(node_url, "/internal/peer")
+        if status == 401:
+            log.error("peer.refused_signature", extra={"peer": node_url})
+            return PeerMisconfiguredError(
+                f"peer {node_url} refused our signature; every instance needs the same "
+                "--secret-file"
+            )
+        return PeerMisconfiguredError(f"peer {node_url} refused the peer link ({status})")
+
+    def _html(self, node_url: str, path: str) -> PeerMisconfiguredError:
+        problem = (
+            f"peer {node_url} answered HTML to {path}: /internal/ must reach the sandgate "
+            "server, not a static site or SPA catch-all in front of it"
+        )
+        self._state.peer_problems[node_url] = problem
+        log.error("peer.misconfigured", extra={"peer": node_url, "problem": problem})
+        return PeerMisconfiguredError(problem, retry_after=30.0)
 
     async def provision(self, node_url: str, job_id: str, *, wait: float) -> dict[str, Any]:
         body = httpx.Request("POST", "/", json={"job_id": job_id}).content
@@ -90,13 +183,7 @@ class PeerClient:
                 retry_after=2.0,
             ) from None
         if response.headers.get("content-type", "").startswith("text/html"):
-            problem = (
-                f"peer {node_url} answered HTML to {path}: /internal/ must reach the sandgate "
-                "server, not a static site or SPA catch-all in front of it"
-            )
-            self._state.peer_problems[node_url] = problem
-            log.error("peer.misconfigured", extra={"peer": node_url, "problem": problem})
-            raise PeerMisconfiguredError(problem, retry_after=30.0)
+            raise self._html(node_url, path)
         self._state.peer_problems.pop(node_url, None)
         return response
 

@@ -98,6 +98,8 @@ class SandboxFilter:
 class Store(Protocol):
     """All durable state. Every tenant-facing read takes the tenant and filters by it."""
 
+    statements: int  # statements sent to the database by this process so far
+
     async def aclose(self) -> None: ...
 
     # tenants and keys

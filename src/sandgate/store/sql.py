@@ -421,12 +421,18 @@ class SqlStore:
         self._auto = (
             engine if self._sqlite else engine.execution_options(isolation_level="AUTOCOMMIT")
         )
+        # statements sent to the database by this process (exported on /metrics)
+        self.statements = 0
+        event.listen(engine.sync_engine, "before_cursor_execute", self._count_statement)
 
     @property
     def engine(self) -> AsyncEngine:
         return self._engine
 
     # --- helpers
+
+    def _count_statement(self, *_args: Any) -> None:
+        self.statements += 1
 
     def _single(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A connection for one statement: autocommit on PG, a short txn on SQLite."""

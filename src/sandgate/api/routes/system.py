@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, WebSocket
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from sandgate.api.deps import Services, presented_key, resolve_key, services, tenant
 from sandgate.errors import AuthError
@@ -55,6 +55,20 @@ async def readyz(svc: Svc) -> JSONResponse:
         "tunnels": len(svc.state.tunnels),
     }
     return JSONResponse(body, status_code=200 if not problems else 503)
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(svc: Svc) -> PlainTextResponse:
+    """Prometheus text format."""
+    lines = [
+        "# HELP sandgate_store_statements_total Statements this instance sent to the store.",
+        "# TYPE sandgate_store_statements_total counter",
+        f"sandgate_store_statements_total {svc.store.statements}",
+        "# HELP sandgate_tunnels Worker tunnels held by this instance.",
+        "# TYPE sandgate_tunnels gauge",
+        f"sandgate_tunnels {len(svc.state.tunnels)}",
+    ]
+    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
 
 @router.websocket("/tunnel")
