@@ -44,6 +44,12 @@ async def _prepare_db(db: str) -> None:
         await migrate.upgrade(db)
         return
     current, head = await migrate.check_current(db)
+    if current is not None and current not in migrate.known_revisions():
+        raise typer.BadParameter(
+            f"database schema is at {current}, newer than this sandgate knows (it needs "
+            f"{head}): run the sandgate release that migrated it",
+            param_hint="--db",
+        )
     if current != head:
         raise typer.BadParameter(
             f"database schema is at {current or 'nothing'}, this sandgate needs {head}: "

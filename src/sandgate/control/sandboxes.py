@@ -394,7 +394,8 @@ class SandboxService:
             now=now,
         )
         await self.store.fail_sandbox_jobs(sandbox.name, f"sandbox {state}", now)
-        await self._destroy_on_worker(sandbox)
+        if moved:  # another instance that moved it first also takes it down
+            await self._destroy_on_worker(sandbox)
         return moved
 
     async def _destroy_on_worker(self, sandbox: Sandbox) -> None:

@@ -78,6 +78,12 @@ def head_revision() -> str:
     return head
 
 
+def known_revisions() -> frozenset[str]:
+    """Every revision this code has a migration for."""
+    script = ScriptDirectory.from_config(alembic_config())
+    return frozenset(rev.revision for rev in script.walk_revisions())
+
+
 def _upgrade_sync(connection: Connection, cfg: Config) -> None:
     cfg.attributes["connection"] = connection
     command.upgrade(cfg, "head")
@@ -159,5 +165,6 @@ __all__ = (
     "async_url",
     "check_current",
     "head_revision",
+    "known_revisions",
     "upgrade",
 )
