@@ -236,14 +236,16 @@ def main() -> None:
                 f"/api/v1/sandboxes/{target}/toolbox/processes", json={"command": command}
             ).json()["pid"]
             lags = []
+            pending = ""  # output chunks are not line-aligned
             with client.stream(
                 "GET", f"/api/v1/sandboxes/{target}/toolbox/processes/{pid}/stream"
             ) as stream:
                 for line in stream.iter_lines():
                     if line.startswith("data: ") and '"data"' in line:
                         received = time.time()
-                        for stamp in json.loads(line[6:])["data"].split():
-                            lags.append((received - float(stamp)) * 1000)
+                        pending += json.loads(line[6:])["data"]
+                        *stamps, pending = pending.split("\n")
+                        lags.extend((received - float(stamp)) * 1000 for stamp in stamps)
                     if line.startswith("event: exit"):
                         break
 

@@ -91,11 +91,13 @@ def test_output_arrives_live(alpha: httpx.Client, sandbox: str) -> None:
     )
     pid = alpha.post(procs(sandbox), json={"command": command}).json()["pid"]
     lags = []
+    pending = ""  # output chunks are not line-aligned: keep a partial line for the next one
     with alpha.stream("GET", f"{procs(sandbox)}/{pid}/stream") as response:
         for event, data, _ in sse(response):
             if event == "stdout":
-                for line in data["data"].splitlines():
-                    lags.append(time.time() - float(line.split()[1]))
+                pending += data["data"]
+                *lines, pending = pending.split("\n")
+                lags.extend(time.time() - float(line.split()[1]) for line in lines)
             if event == "exit":
                 break
     assert len(lags) == 5
