@@ -13,7 +13,7 @@ import os
 import signal
 import uuid
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from sandgate.agent.frames import Header
@@ -455,9 +455,3 @@ def _mismatch() -> IdempotencyMismatchError:
         "this Idempotency-Key was used with a different request body; "
         "use a new key for a different request"
     )
-
-
-def expires_in(sandbox: Sandbox, now: datetime) -> float | None:
-    if sandbox.expires_at is None:
-        return None
-    return max(0.0, (sandbox.expires_at - now).total_seconds())

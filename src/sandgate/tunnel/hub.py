@@ -85,10 +85,8 @@ async def serve_tunnel(
         return
     name, capacity, features, reported = fields
 
-    session_box: list[TunnelSession] = []
-
     async def on_event(header: Header, payload: bytes) -> None:
-        await events.event(session_box[0], header)
+        await events.event(session, header)  # bound below, before any frame is served
 
     channel = RpcChannel(send, on_event=on_event, name=f"tunnel {name}")
 
@@ -103,7 +101,6 @@ async def serve_tunnel(
         token_hash=token_hash,
         disconnect=disconnect,
     )
-    session_box.append(session)
     try:
         welcome = await events.attached(session, {**hello, "sandboxes": reported})
     except AuthError as exc:
