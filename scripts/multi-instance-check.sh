@@ -292,6 +292,13 @@ read -r owner age <<<"$(owner_row)" || true
 OWNER_STAMP=$(sql "select updated_at from tunnel_owners where tunnel_key = 'w1'")
 ok "owner row w1 -> $A, ${age} s old"
 
+# -- /internal/* is for signed peers only --------------------------------------------------
+for url in "$A" "$B"; do
+  api POST "$url/internal/provision" -H 'Content-Type: application/json' -d '{"job_id": "x"}'
+  [ "$STATUS" = 401 ] || fail "unsigned POST $url/internal/provision answered $STATUS, expected 401"
+done
+ok "unsigned /internal/provision is refused (401) on A and B"
+
 # -- 2. execute on A and on B (forwarded) --------------------------------------------------
 create "$A" '{"metadata": {"mic": "s1"}}'
 [ "$STATUS" = 201 ] || fail "create on A answered $STATUS"
@@ -305,6 +312,9 @@ execute "$B" "$S1" 'echo ok'
 OUT_B=$(jfield 'd["stdout"], d["stderr"], d["exit_code"]')
 [ "$OUT_A" = "$OUT_B" ] && [ "$(jfield 'd["stdout"]')" = "ok" ] \
   || fail "execute on A gave $OUT_A, on B $OUT_B"
+api GET "$B/readyz"
+held=$(jfield 'd.get("tunnels")')
+[ -z "$held" ] || [ "$held" = 0 ] || fail "B holds $held tunnels: its execute was not forwarded"
 ok "execute 'echo ok' on A and on B (forwarded) give the same output: $OUT_B"
 
 # -- 3. a file written through B, read through A -------------------------------------------

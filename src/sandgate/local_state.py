@@ -37,9 +37,17 @@ class ServerLocalState:
     # key hash -> (key, fetched at monotonic): avoids a store read per request. A revoked key
     # keeps working on an instance for at most `auth_cache_ttl`.
     auth_cache: dict[str, tuple[ApiKey, float]] = field(default_factory=dict)
-    # peer node_url -> what is wrong with it (it answered HTML, refused our signature).
-    # Per-process by nature: what this instance saw; shown in /readyz and the log.
-    peer_problems: dict[str, str] = field(default_factory=dict)
+    # peer node_url -> (what is wrong with it, when seen, monotonic): it answered HTML or
+    # refused our signature. Per-process by nature: what this instance saw; /readyz shows the
+    # ones seen in the last 15 s (each failed call renews it), so a fixed peer stops counting.
+    peer_problems: dict[str, tuple[str, float]] = field(default_factory=dict)
+
+    def recent_peer_problems(self, within: float = 15.0) -> list[str]:
+        now = time.monotonic()
+        for url, (_, seen) in list(self.peer_problems.items()):
+            if now - seen > within:
+                del self.peer_problems[url]
+        return [problem for problem, _ in self.peer_problems.values()]
     # peer node_url -> the open link to it (a signed WebSocket carrying tunnel requests).
     # Per-process by nature: a connection; redialed when it drops.
     peer_links: dict[str, asyncio.Future[RpcChannel]] = field(default_factory=dict)

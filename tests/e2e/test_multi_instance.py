@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import hashlib
 import hmac
+import http.server
 import json
 import os
 import random
@@ -18,6 +19,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -29,6 +31,7 @@ from tests.e2e.conftest import (
     HEARTBEAT,
     RECOVERY_AFTER,
     RECOVERY_INTERVAL,
+    WORKER,
     Cluster,
     Instance,
     pg,
@@ -105,11 +108,13 @@ def test_recovery_claims_each_stale_create_once(clean: Cluster) -> None:
     assert {n: starts[n] for n in names if starts[n] != 1} == {}, "started other than once"
     assert {n: repeats[n] for n in names if repeats[n]} == {}, "delivered more than once"
     jobs = cluster.sql(
-        "select state, claimed_by from jobs where kind = 'create' and sandbox_name = any($1)",
+        "select state, claimed_by, attempt from jobs "
+        "where kind = 'create' and sandbox_name = any($1)",
         list(names),
     )
     assert len(jobs) == 50
     assert {j["state"] for j in jobs} == {"completed"}, jobs
+    assert {j["attempt"] for j in jobs} == {1}, "a job was claimed more than once"
     claimers = sorted({str(j["claimed_by"]) for j in jobs})
     report(f"(a) 50 stale creates recovered in {took:.1f} s; claimed by {claimers}")
     assert set(states_by_tag(cluster, "cas", run).values()) == {"running"}
@@ -144,10 +149,23 @@ def test_exit_after_accept_loses_nothing_and_duplicates_nothing(clean: Cluster) 
                         pass  # died again before it answered /healthz: next round
             time.sleep(0.05)
 
-    def one(key: str) -> None:
-        body = {"metadata": {"run": run, "k": key}, "timeout": 900}
-        if key in to_d:
-            time.sleep(rng.random() * 3)  # spread over D's lives
+    def send_to_d(key: str, body: dict[str, object]) -> bool:
+        """Send a create to D once it is up (True when D answered 2xx itself).
+
+        Each of D's lives takes a burst of concurrent creates: the first commit kills it,
+        the others die wherever they are. A create that finds D already gone (refused
+        connection) waits for the next life, up to three times.
+        """
+        for _ in range(3):
+            time.sleep(rng.random() * 0.3)
+            try:
+                wait_until(
+                    lambda: httpx.get(f"{d.url}/healthz", timeout=1).status_code == 200,
+                    timeout=20,
+                    interval=0.05,
+                )
+            except AssertionError:
+                pass  # D is slow to come back: send anyway
             try:
                 with httpx.Client(
                     base_url=d.url,
@@ -155,12 +173,23 @@ def test_exit_after_accept_loses_nothing_and_duplicates_nothing(clean: Cluster) 
                     timeout=30,
                 ) as c:
                     first = create(c, body, key)
-                d_results[key] = str(first.status_code)
-                if first.is_success:
-                    outcomes[key] = (first.status_code, first.json(), "D")
-                    return
+            except httpx.ConnectError as exc:
+                d_results[key] = type(exc).__name__
+                continue
             except httpx.TransportError as exc:
                 d_results[key] = type(exc).__name__
+                return False
+            d_results[key] = str(first.status_code)
+            if first.is_success:
+                outcomes[key] = (first.status_code, first.json(), "D")
+                return True
+            return False
+        return False
+
+    def one(key: str) -> None:
+        body = {"metadata": {"run": run, "k": key}, "timeout": 900}
+        if key in to_d and send_to_d(key, body):
+            return
         deadline = time.monotonic() + 150
         attempt = 0
         while time.monotonic() < deadline:
@@ -359,6 +388,187 @@ def test_pty_session_through_the_non_owner(clean: Cluster) -> None:
             return final
 
     assert asyncio.run(session()) == {"type": "exit", "exit_code": 7}
+
+
+def test_pty_token_issued_by_the_owner_opens_a_terminal_on_the_non_owner(
+    clean: Cluster,
+) -> None:
+    cluster = clean
+    a, b = cluster.instances["A"], cluster.instances["B"]
+    name = running_sandbox(cluster, a, t="pty-token")
+    with cluster.client(a) as client:
+        issued = client.post(f"/api/v1/sandboxes/{name}/toolbox/pty-token", json={"ttl": 60})
+    assert issued.status_code == 201, issued.text
+    token = issued.json()["token"]
+    url = f"ws://127.0.0.1:{b.port}/api/v1/sandboxes/{name}/toolbox/pty?token={token}"
+
+    async def session() -> bytes:
+        async with connect(url) as ws:
+            await ws.send(b"echo tok-$((6*7))\r")
+            return await _read_until(ws, b"tok-42")
+
+    assert b"tok-42" in asyncio.run(session())
+
+
+def _sse(response: httpx.Response) -> Iterator[tuple[str, dict[str, object]]]:
+    event, data = "message", ""
+    for line in response.iter_lines():
+        if line == "":
+            if data:
+                yield event, json.loads(data)
+            event, data = "message", ""
+        elif line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: "):
+            data += line[6:]
+
+
+@pytest.mark.timeout(90)
+def test_process_output_streams_live_through_the_non_owner(clean: Cluster) -> None:
+    cluster = clean
+    name = running_sandbox(cluster, cluster.instances["A"], t="sse")
+    procs = f"/api/v1/sandboxes/{name}/toolbox/processes"
+    command = (
+        'python3 -c "import time\nfor i in range(5):\n'
+        '    print(i, time.time(), flush=True); time.sleep(0.4)"'
+    )
+    with cluster.client(cluster.instances["B"]) as b:
+        started = b.post(procs, json={"command": command})
+        assert started.status_code == 201, started.text
+        pid = started.json()["pid"]
+        lags: list[float] = []
+        pending = ""
+        final: dict[str, object] | None = None
+        with b.stream("GET", f"{procs}/{pid}/stream") as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            for event, data in _sse(response):
+                if event == "stdout":
+                    pending += str(data["data"])
+                    *lines, pending = pending.split("\n")
+                    lags.extend(time.time() - float(line.split()[1]) for line in lines)
+                if event == "exit":
+                    final = data
+                    break
+    assert final == {"exit_code": 0}
+    assert len(lags) == 5, lags
+    # relayed live: lines arrive while the process runs, not all at its exit 1.6 s later
+    assert sorted(lags)[2] < 0.6, lags
+
+
+@pytest.mark.timeout(90)
+def test_delete_and_timeout_through_the_non_owner_reach_the_worker(clean: Cluster) -> None:
+    cluster = clean
+    a, b = cluster.instances["A"], cluster.instances["B"]
+    doomed = running_sandbox(cluster, a, t="delete-via-b")
+    short = running_sandbox(cluster, a, t="timeout-via-b")
+    with cluster.client(b) as client:
+        assert client.delete(f"/api/v1/sandboxes/{doomed}").status_code == 204
+        extended = client.post(f"/api/v1/sandboxes/{short}/timeout", json={"timeout": 2})
+        assert extended.status_code == 200, extended.text
+    assert cluster.worker_log is not None
+
+    def destroyed(name: str) -> bool:
+        text = cluster.worker_log.read_text(errors="replace")  # type: ignore[union-attr]
+        return f"sandbox.destroyed sandbox='{name}'" in text
+
+    wait_until(lambda: destroyed(doomed), timeout=15, what=f"{doomed} destroyed at the worker")
+    wait_until(lambda: destroyed(short), timeout=20, what=f"{short} reaped at the worker")
+    with cluster.client(a) as client:
+        gone = client.post(f"/api/v1/sandboxes/{doomed}/execute", json={"code": "echo ok"})
+        assert gone.status_code in (404, 409), gone.text
+        state = client.get(f"/api/v1/sandboxes/{short}")
+        assert state.status_code == 200 and state.json()["state"] == "stopped", state.text
+
+
+# -- stale or wrong owner records ------------------------------------------------------------
+def _point_owner_at(cluster: Cluster, node_url: str) -> None:
+    cluster.sql(
+        "update tunnel_owners set node_url = $1, updated_at = now() where tunnel_key = $2",
+        node_url,
+        WORKER,
+    )
+
+
+@pytest.mark.timeout(90)
+def test_a_wrong_owner_record_never_bounces_a_request(clean: Cluster) -> None:
+    """The record names B, which does not hold the tunnel (A does): B answers 503 instead of
+    forwarding to itself, and a third instance forwarding to B gets B's 503 back: one hop."""
+    cluster = clean
+    a, b = cluster.instances["A"], cluster.instances["B"]
+    e = cluster.start_instance("E")
+    name = running_sandbox(cluster, a, t="hop")
+    _point_owner_at(cluster, b.url)
+    try:
+        for inst in (b, e):
+            with cluster.client(inst, timeout=20) as client:
+                t0 = time.monotonic()
+                r = client.post(f"/api/v1/sandboxes/{name}/execute", json={"code": "echo ok"})
+                took = time.monotonic() - t0
+            assert r.status_code == 503, (inst.name, r.status_code, r.text)
+            assert r.json()["error"]["code"] == "tunnel_unavailable", r.text
+            assert r.headers.get("retry-after"), r.headers
+            assert took < 5, f"{inst.name} took {took:.1f} s to refuse"
+        with cluster.client(a) as client:  # the holder serves its own tunnel regardless
+            r = client.post(f"/api/v1/sandboxes/{name}/execute", json={"code": "echo ok"})
+            assert r.status_code == 200, r.text
+    finally:
+        _point_owner_at(cluster, a.url)
+    with cluster.client(b) as client:
+        r = client.post(f"/api/v1/sandboxes/{name}/execute", json={"code": "echo ok"})
+        assert r.status_code == 200, r.text
+
+
+class _SpaHandler(http.server.BaseHTTPRequestHandler):
+    """A static-site catch-all: index.html for every path, whatever the method."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _page(self) -> None:
+        body = b"<!doctype html><html><body>app</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _page
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_answering_html_is_a_configuration_error(clean: Cluster) -> None:
+    cluster = clean
+    a = cluster.instances["A"]
+    e = cluster.start_instance("E")  # a fresh instance, so the problem is its own
+    name = running_sandbox(cluster, a, t="spa")
+    spa = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SpaHandler)
+    spa_url = f"http://127.0.0.1:{spa.server_address[1]}"
+    threading.Thread(target=spa.serve_forever, daemon=True).start()
+    _point_owner_at(cluster, spa_url)
+    try:
+        with cluster.client(e, timeout=20) as client:
+            r = client.post(f"/api/v1/sandboxes/{name}/execute", json={"code": "echo ok"})
+            ready = client.get("/readyz")
+    finally:
+        _point_owner_at(cluster, a.url)
+        spa.shutdown()
+        spa.server_close()
+    assert not r.is_success, r.text  # never passed on as success
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    assert "html" in r.json()["error"]["message"].lower(), r.text
+    assert ready.status_code == 503, ready.text
+    assert any(spa_url in p for p in ready.json()["problems"]), ready.text
+    assert "peer.misconfigured" in (cluster.base / "server-E.log").read_text()
+    report(f"(html peer) client got {r.status_code} {r.text}; /readyz {ready.text}")
+    # once the record names a real instance again, forwarding works
+    with cluster.client(e) as client:
+        r = client.post(f"/api/v1/sandboxes/{name}/execute", json={"code": "echo ok"})
+        assert r.status_code == 200, r.text
+        # the problem counts while it keeps happening, then /readyz recovers by itself
+        wait_until(lambda: client.get("/readyz").status_code == 200, timeout=25, what="readyz")
 
 
 # -- (e) internal endpoints are signed ---------------------------------------------------------

@@ -153,7 +153,7 @@ class PeerClient:
             f"peer {node_url} answered HTML to {path}: /internal/ must reach the sandgate "
             "server, not a static site or SPA catch-all in front of it"
         )
-        self._state.peer_problems[node_url] = problem
+        self._state.peer_problems[node_url] = (problem, time.monotonic())
         log.error("peer.misconfigured", extra={"peer": node_url, "problem": problem})
         return PeerMisconfiguredError(problem, retry_after=30.0)
 

@@ -44,7 +44,7 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz", include_in_schema=False)
 async def readyz(svc: Svc) -> JSONResponse:
-    problems = [f"peer: {problem}" for problem in svc.state.peer_problems.values()]
+    problems = [f"peer: {problem}" for problem in svc.state.recent_peer_problems()]
     try:
         await svc.store.list_workers()
     except Exception as exc:
