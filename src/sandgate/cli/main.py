@@ -248,9 +248,8 @@ def worker(
         state_dir=state_dir,
         allow_network=allow_network,
     )
-    # the stock event loop: its subprocess spawn honours close_fds, so no descriptor of the
-    # worker ever reaches a sandbox
-    asyncio.run(run_worker(settings))
+    with _runner() as runner:
+        runner.run(run_worker(settings))
 
 
 @app.command()

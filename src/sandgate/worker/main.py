@@ -104,7 +104,24 @@ def make_runtime(settings: WorkerSettings, state_dir: Path, agent_dir: Path) -> 
     raise ValueError(f"unknown runtime {settings.runtime!r}; use bwrap or process")
 
 
+def seal_inherited_descriptors() -> None:
+    """Make every descriptor we inherited close on exec.
+
+    uvloop spawns through libuv, which does not close descriptors the way `close_fds` does;
+    what we open ourselves is already close-on-exec (PEP 446, libuv), so this leaves nothing
+    of the worker's to leak into a sandbox.
+    """
+    for entry in os.listdir("/proc/self/fd"):
+        fd = int(entry)
+        if fd > 2:
+            try:
+                os.set_inheritable(fd, False)
+            except OSError:
+                pass  # closed meanwhile (the listing's own descriptor)
+
+
 async def run_worker(settings: WorkerSettings) -> None:
+    seal_inherited_descriptors()
     state_dir = settings.state_dir / settings.name
     state_dir.mkdir(parents=True, exist_ok=True)
     for directory in (settings.state_dir, state_dir):
