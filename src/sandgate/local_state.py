@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from sandgate.worker.service import LiveSandbox
 
 
+RUNNING_CACHE_TTL = 1.0  # seconds a running sandbox's record is reused by this instance
+
+
 @dataclass(frozen=True)
 class StateRow:
     holds: str
@@ -37,10 +40,29 @@ class ServerLocalState:
     # key hash -> (key, fetched at monotonic): avoids a store read per request. A revoked key
     # keeps working on an instance for at most `auth_cache_ttl`.
     auth_cache: dict[str, tuple[ApiKey, float]] = field(default_factory=dict)
+    # (tenant, sandbox) -> (its running record, read at monotonic): spares the store read on
+    # every execute and toolbox call. Trusted for RUNNING_CACHE_TTL; cleared here on stop,
+    # delete and extend. Under N instances a sandbox stopped elsewhere is gone from its worker,
+    # which then answers 409: the cache never lets a call reach a stopped sandbox.
+    running_sandboxes: dict[tuple[str, str], tuple[Sandbox, float]] = field(default_factory=dict)
     # peer node_url -> (what is wrong with it, when seen, monotonic): it answered HTML or
     # refused our signature. Per-process by nature: what this instance saw; /readyz shows the
     # ones seen in the last 15 s (each failed call renews it), so a fixed peer stops counting.
     peer_problems: dict[str, tuple[str, float]] = field(default_factory=dict)
+
+    def cached_running(self, tenant: str, name: str) -> Sandbox | None:
+        hit = self.running_sandboxes.get((tenant, name))
+        if hit is None or time.monotonic() - hit[1] > RUNNING_CACHE_TTL:
+            return None
+        return hit[0]
+
+    def cache_running(self, tenant: str, sandbox: Sandbox, limit: int = 10_000) -> None:
+        if len(self.running_sandboxes) >= limit:
+            self.running_sandboxes.clear()
+        self.running_sandboxes[(tenant, sandbox.name)] = (sandbox, time.monotonic())
+
+    def forget_running(self, tenant: str, name: str) -> None:
+        self.running_sandboxes.pop((tenant, name), None)
 
     def recent_peer_problems(self, within: float = 15.0) -> list[str]:
         now = time.monotonic()
@@ -89,6 +111,12 @@ STATE_TABLE: dict[str, StateRow] = {
         "API key records by hash",
         "10,000 entries, each trusted for auth_cache_ttl (5 s)",
         "exact via store after the TTL: a revoked key stops on every instance within 5 s",
+    ),
+    "ServerLocalState.running_sandboxes": StateRow(
+        "records of running sandboxes, by (tenant, name)",
+        "10,000 entries, each trusted for 1 s",
+        "exact via store after 1 s; a sandbox stopped by another instance within that second "
+        "is already gone from its worker, which answers 409",
     ),
     "ServerLocalState.peer_problems": StateRow(
         "configuration problems seen when calling other instances",

@@ -363,11 +363,20 @@ class SandboxService:
         return await self.store.list_sandboxes(tenant, where)
 
     async def running(self, tenant: TenantId, name: str) -> Sandbox:
+        """The tenant's running sandbox; a read seen within the last second is reused.
+
+        Safe under N instances: a sandbox stopped elsewhere within that second is gone from
+        its worker too, whose answer (409 not running) is the final word.
+        """
+        cached = self.state.cached_running(tenant, name)
+        if cached is not None:
+            return cached
         sandbox = await self.get(tenant, name)
         if sandbox.state != "running":
             raise ConflictError(
                 f"sandbox {name} is {sandbox.state}, not running", code="not_running"
             )
+        self.state.cache_running(tenant, sandbox)
         return sandbox
 
     # -- change ------------------------------------------------------------------------------
@@ -375,6 +384,7 @@ class SandboxService:
         sandbox = await self.running(tenant, name)
         now = utcnow()
         expires_at = now + timedelta(seconds=seconds)
+        self.state.forget_running(tenant, name)
         if not await self.store.set_expiry(sandbox.name, expires_at, now):
             raise ConflictError(f"sandbox {name} is no longer running", code="not_running")
         return replace(sandbox, expires_at=expires_at, updated_at=now)
@@ -385,6 +395,7 @@ class SandboxService:
 
     async def stop(self, sandbox: Sandbox, state: str, *, reason: str | None) -> bool:
         """Mark the sandbox gone first (no resurrection), cancel its jobs, then destroy it."""
+        self.state.forget_running(sandbox.tenant_id, sandbox.name)
         now = utcnow()
         moved = await self.store.set_sandbox_state(
             sandbox.name,
