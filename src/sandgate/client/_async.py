@@ -596,7 +596,7 @@ class AsyncProcess(ProcessInfo):
                 "GET",
                 f"{self._path}/stream",
                 safety=Safety.IDEMPOTENT,
-                params={"offset": position},
+                params={"offset": position} | ({} if follow else {"follow": "false"}),
                 stream=True,
                 timeouts=self._api.stream_timeout(idle),
             )
@@ -632,6 +632,8 @@ class AsyncProcess(ProcessInfo):
                 continue
             finally:
                 await response.aclose()
+            if not follow:
+                return  # the server sent what there is (follow=false) and ended the stream
             failures += 1
             if failures > policy.max_retries:
                 raise APIConnectionError(f"the output of process {self.pid} ended before its exit")

@@ -610,8 +610,8 @@ class Process(ProcessInfo):
     def output(self, offset: int = 0, *, follow: bool = True) -> Iterator[OutputEvent]:
         """Output events from `offset` (0: from the start the buffer still holds) until the
         process exits; then `exit_code` is set. A broken connection is resumed at the last
-        offset. `follow=False` stops once no output came for a second (or after 5 s of a
-        process that never pauses): what is there now."""
+        offset. `follow=False` gives what the process wrote so far and stops (the server's
+        `follow=false`), with `exit_code` set if it has exited."""
         position = offset
         failures = 0
         policy = self._api.policy
@@ -622,7 +622,7 @@ class Process(ProcessInfo):
                 "GET",
                 f"{self._path}/stream",
                 safety=Safety.IDEMPOTENT,
-                params={"offset": position},
+                params={"offset": position} | ({} if follow else {"follow": "false"}),
                 stream=True,
                 timeouts=self._api.stream_timeout(idle),
             )
@@ -658,6 +658,8 @@ class Process(ProcessInfo):
                 continue
             finally:
                 response.close()
+            if not follow:
+                return  # the server sent what there is (follow=false) and ended the stream
             failures += 1  # the stream ended without its exit event: resume it
             if failures > policy.max_retries:
                 raise APIConnectionError(f"the output of process {self.pid} ended before its exit")
