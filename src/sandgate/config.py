@@ -34,6 +34,11 @@ class ServerSettings(_Frozen):
     owner_ttl: float = 90.0  # a tunnel_owners row older than this is not trusted
     recovery_after: float = 45.0  # a pending create job untouched this long is redelivered
     recovery_interval: float = 5.0
+    # an instance whose heartbeat (renewed every recovery tick) is older than
+    # orphan_intervals * recovery_interval + orphan_grace is dead: its unfinished exec jobs
+    # are failed by any other instance's recovery, never re-run
+    orphan_intervals: float = 3.0
+    orphan_grace: float = 30.0
     max_delivery_attempts: int = 5  # then the job fails and its sandbox is marked error
     faults: frozenset[str] = frozenset()  # test fault points (sandgate.faults)
     # auth cache: a revoked key stops working on every instance within this

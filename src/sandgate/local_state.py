@@ -70,6 +70,11 @@ class ServerLocalState:
             if now - seen > within:
                 del self.peer_problems[url]
         return [problem for problem, _ in self.peer_problems.values()]
+
+    # exec jobs this instance is running now (background tasks owned by the app's lifespan,
+    # cancelled at shutdown). Per-process by nature: a job runs in the instance that accepted
+    # it; its state is in the store, and recovery fails it (never re-runs it) if we die.
+    exec_job_tasks: set[asyncio.Task[None]] = field(default_factory=set)
     # peer node_url -> the open link to it (a signed WebSocket carrying tunnel requests).
     # Per-process by nature: a connection; redialed when it drops.
     peer_links: dict[str, asyncio.Future[RpcChannel]] = field(default_factory=dict)
@@ -127,6 +132,13 @@ STATE_TABLE: dict[str, StateRow] = {
         "open WebSocket links to other instances, for forwarded tunnel requests",
         "one per peer instance",
         "per-process by nature: connections, redialed on demand",
+    ),
+    "ServerLocalState.exec_job_tasks": StateRow(
+        "background tasks running the exec jobs this instance accepted",
+        "one per running exec job; removed when it finishes",
+        "per-process by nature: the job's state and idempotency key are in the store (unique "
+        "(tenant, digest)); if this instance dies, recovery elsewhere fails its jobs and never "
+        "re-runs them",
     ),
     "PeerClient._links": StateRow(
         "serve loops of this instance's open peer links",

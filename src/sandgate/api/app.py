@@ -13,8 +13,9 @@ from sandgate.api import errors
 from sandgate.api.deps import Services
 from sandgate.api.internal_auth import InternalAuth
 from sandgate.api.limits import BodyLimit
-from sandgate.api.routes import files, internal, processes, pty, sandboxes, system
+from sandgate.api.routes import exec_jobs, files, internal, processes, pty, sandboxes, system
 from sandgate.config import ServerSettings
+from sandgate.control.exec_jobs import ExecJobService
 from sandgate.control.peers import PeerClient
 from sandgate.control.reaper import Reaper
 from sandgate.control.recovery import Recovery
@@ -41,7 +42,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
             store, state, node_url=node_url, peers=peers, owner_ttl=settings.owner_ttl
         )
         service = SandboxService(store, state, workers, settings)
-        app.state.services = Services(settings, store, state, workers, service)
+        jobs = ExecJobService(store, state, service, settings, node_url=node_url)
+        app.state.services = Services(settings, store, state, workers, service, jobs)
+        try:
+            if left := await jobs.fail_leftovers():
+                log.warning("exec_jobs.failed_from_earlier_run", extra={"jobs": left})
+        except Exception:
+            log.exception("exec_jobs.leftovers_not_checked")  # recovery fails them later
         loops = [
             asyncio.create_task(Reaper(service, interval=settings.reaper_interval).run()),
             asyncio.create_task(
@@ -51,6 +58,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
                     node_url=node_url,
                     after=settings.recovery_after,
                     interval=settings.recovery_interval,
+                    orphan_after=settings.orphan_intervals * settings.recovery_interval
+                    + settings.orphan_grace,
                 ).run()
             ),
         ]
@@ -60,6 +69,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         try:
             yield
         finally:
+            await jobs.aclose()  # running jobs are recorded failed, never left "running"
             for loop in loops:
                 loop.cancel()
             for loop in loops:
@@ -79,6 +89,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
     errors.install(app)
     app.include_router(sandboxes.router)
+    app.include_router(exec_jobs.router)
     app.include_router(files.router)
     app.include_router(processes.router)
     app.include_router(pty.router)

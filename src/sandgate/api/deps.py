@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from sandgate.config import ServerSettings
+from sandgate.control.exec_jobs import ExecJobService
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.workers import WorkerRegistry
 from sandgate.core.credentials import key_hash
@@ -22,6 +23,7 @@ class Services:
     state: ServerLocalState
     workers: WorkerRegistry
     sandboxes: SandboxService
+    exec_jobs: ExecJobService
 
 
 def services(request: Request) -> Services:

@@ -112,6 +112,39 @@ class ExecuteOut(BaseModel):
     stderr_truncated: bool = False
 
 
+class CreateExecJob(_In):
+    command: str = Field(min_length=1)
+    timeout: float | None = Field(default=None, gt=0)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str = Field(default="/workspace", min_length=1, max_length=4096)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        return _check_env(value)
+
+
+class ExecJobOut(BaseModel):
+    id: str
+    sandbox: str
+    state: Literal["queued", "running", "succeeded", "failed"]
+    command: str
+    timeout: float
+    exit_code: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    error: str | None = None
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+class ExecJobList(BaseModel):
+    exec_jobs: list[ExecJobOut]
+
+
 class FileEntry(BaseModel):
     name: str
     path: str

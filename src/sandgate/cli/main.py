@@ -167,6 +167,14 @@ def server(
     recovery_interval: Annotated[
         float, typer.Option(envvar="SANDGATE_RECOVERY_INTERVAL", help="seconds between sweeps")
     ] = 5.0,
+    orphan_grace: Annotated[
+        float,
+        typer.Option(
+            envvar="SANDGATE_ORPHAN_GRACE",
+            help="an instance silent for 3 recovery intervals plus this many seconds is dead: "
+            "its unfinished exec jobs are failed (never re-run)",
+        ),
+    ] = 30.0,
     log_level: LogOpt = "INFO",
 ) -> None:
     """Run one API instance."""
@@ -205,6 +213,7 @@ def server(
         owner_ttl=owner_ttl,
         recovery_after=recovery_after,
         recovery_interval=recovery_interval,
+        orphan_grace=orphan_grace,
         faults=active_faults,
     )
     make_server(settings, own_signals=True).run()

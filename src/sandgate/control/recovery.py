@@ -1,8 +1,13 @@
-"""Recovery: every instance delivers create jobs that nobody finished.
+"""Recovery: every instance delivers create jobs that nobody finished, and fails exec jobs
+whose instance died.
 
 A create is accepted (rows committed) and then delivered; the accepting process may die in
 between. Each tick claims pending jobs untouched for `after` seconds by compare-and-swap
 (exactly one instance wins each) and delivers them. Idempotent; trusts the store.
+
+Each tick also renews this instance's heartbeat in the store, and fails the unfinished exec
+jobs of instances whose heartbeat is older than `orphan_after` seconds: a command may have
+had side effects, so it is never re-run, only reported failed with a reason.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class Recovery:
         node_url: str,
         after: float,
         interval: float,
+        orphan_after: float | None = None,
         tick_timeout: float = 120.0,
     ) -> None:
         self.sandboxes = sandboxes
@@ -37,6 +43,8 @@ class Recovery:
         self.after = after
         self.interval = interval
         self.tick_timeout = tick_timeout
+        # an instance silent this long is dead (default: 3 intervals + 30 s)
+        self.orphan_after = orphan_after if orphan_after is not None else 3 * interval + 30.0
 
     async def run(self) -> None:
         while True:
@@ -51,6 +59,12 @@ class Recovery:
 
     async def tick(self) -> int:
         now = utcnow()
+        await self.store.heartbeat_instance(self.node_url, now)
+        orphaned = await self.store.fail_orphaned_exec_jobs(
+            now - timedelta(seconds=self.orphan_after), now
+        )
+        if orphaned:
+            log.warning("recovery.exec_jobs_orphaned", extra={"jobs": orphaned})
         claimed = await self.store.claim_stale_jobs(
             now - timedelta(seconds=self.after), self.node_url, now, CLAIM_BATCH
         )

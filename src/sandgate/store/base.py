@@ -14,10 +14,12 @@ TenantId = NewType("TenantId", str)
 SandboxName = NewType("SandboxName", str)
 WorkerName = NewType("WorkerName", str)
 JobId = NewType("JobId", str)
+ExecJobId = NewType("ExecJobId", str)
 
 KeyKind = Literal["tenant", "worker"]
 SandboxState = Literal["pending", "running", "stopped", "error", "deleted"]
 JobState = Literal["pending", "completed", "failed"]
+ExecJobState = Literal["queued", "running", "succeeded", "failed"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,42 @@ class Job:
     attempt: int
     created_at: datetime
     updated_at: datetime
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ExecJob:
+    """A command run once, in the background, in a sandbox (`/exec-jobs`)."""
+
+    id: ExecJobId
+    tenant_id: TenantId
+    sandbox_name: SandboxName
+    command: str
+    timeout: float
+    state: ExecJobState
+    created_at: datetime
+    updated_at: datetime
+    digest: str | None = None  # sha256 of (tenant scope, Idempotency-Key); None without a key
+    fingerprint: str | None = None  # sha256 of the canonical request body
+    exit_code: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    error: str | None = None
+    claimed_by: str | None = None  # node_url of the instance running it
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    state: Literal["succeeded", "failed"]
+    exit_code: int | None
+    stdout: str = ""
+    stderr: str = ""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
     error: str | None = None
 
 
@@ -176,3 +214,28 @@ class Store(Protocol):
     async def renew_tunnel(self, tunnel_key: str, node_url: str, now: datetime) -> bool: ...
     async def release_tunnel(self, tunnel_key: str, node_url: str) -> None: ...
     async def tunnel_owner(self, tunnel_key: str) -> tuple[str, datetime] | None: ...
+
+    # exec jobs. Insert raises IdempotencyConflictError if (tenant, digest) exists (a NULL
+    # digest never conflicts). State moves are conditional: queued -> running (start), running
+    # -> succeeded/failed (finish); each returns whether it applied. A job is never re-run.
+    async def insert_exec_job(self, job: ExecJob) -> None: ...
+    async def get_exec_job(self, tenant_id: TenantId, job_id: ExecJobId) -> ExecJob | None: ...
+    async def list_exec_jobs(
+        self, tenant_id: TenantId, sandbox_name: SandboxName, limit: int
+    ) -> list[ExecJob]: ...  # newest first
+    async def find_exec_job_by_digest(self, tenant_id: TenantId, digest: str) -> ExecJob | None: ...
+    async def start_exec_job(self, job_id: ExecJobId, claimed_by: str, now: datetime) -> bool: ...
+    async def finish_exec_job(
+        self, job_id: ExecJobId, result: ExecResult, now: datetime
+    ) -> bool: ...
+    # queued or running jobs whose instance's heartbeat is older than `dead_before` (or
+    # missing) and that were not touched since: failed with ORPHANED_EXEC_JOB. Returns how many.
+    async def fail_orphaned_exec_jobs(self, dead_before: datetime, now: datetime) -> int: ...
+    # queued or running jobs of this very instance, at its start: none of them runs any more
+    async def fail_instance_exec_jobs(self, node_url: str, error: str, now: datetime) -> int: ...
+
+    # instances: each API instance renews its heartbeat on every recovery tick
+    async def heartbeat_instance(self, node_url: str, now: datetime) -> None: ...
+
+
+ORPHANED_EXEC_JOB = "the instance running it stopped; it was not re-run"

@@ -178,11 +178,55 @@ tunnel_owners = Table(
     PrimaryKeyConstraint("tunnel_key", name="pk_tunnel_owners"),
 )
 
+# Exec jobs: a command run once in a sandbox, in the background, by the instance that
+# accepted it. The unique (tenant, digest) constraint makes the Idempotency-Key exact across
+# instances; a job without a key has a NULL digest, and NULLs never collide in a unique
+# constraint (SQLite and PostgreSQL alike).
+exec_jobs = Table(
+    "exec_jobs",
+    metadata,
+    Column("id", Text, nullable=False),
+    Column("tenant_id", Text, nullable=False),
+    Column("sandbox_name", Text, nullable=False),
+    Column("digest", Text, nullable=True),
+    Column("fingerprint", Text, nullable=True),
+    Column("command", Text, nullable=False),
+    Column("timeout", Float, nullable=False),
+    Column("state", Text, nullable=False),
+    Column("exit_code", Integer, nullable=True),
+    Column("stdout", Text, nullable=False),
+    Column("stderr", Text, nullable=False),
+    Column("stdout_truncated", Boolean, nullable=False),
+    Column("stderr_truncated", Boolean, nullable=False),
+    Column("error", Text, nullable=True),
+    Column("claimed_by", Text, nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("started_at", UTCDateTime, nullable=True),
+    Column("finished_at", UTCDateTime, nullable=True),
+    Column("updated_at", UTCDateTime, nullable=False),
+    PrimaryKeyConstraint("id", name="pk_exec_jobs"),
+    UniqueConstraint("tenant_id", "digest", name="uq_exec_jobs_tenant_id_digest"),
+    Index("ix_exec_jobs_sandbox_name_created_at", "sandbox_name", "created_at"),
+    Index("ix_exec_jobs_state_updated_at", "state", "updated_at"),
+)
+
+# Every API instance upserts its row on every recovery tick: an instance whose heartbeat is
+# old has died, and the exec jobs it was running are failed (never re-run).
+instances = Table(
+    "instances",
+    metadata,
+    Column("node_url", Text, nullable=False),
+    Column("heartbeat_at", UTCDateTime, nullable=False),
+    PrimaryKeyConstraint("node_url", name="pk_instances"),
+)
+
 __all__ = (
     "NAMING_CONVENTION",
     "UTCDateTime",
     "api_keys",
+    "exec_jobs",
     "idempotency_keys",
+    "instances",
     "jobs",
     "metadata",
     "sandboxes",

@@ -51,7 +51,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from sandgate.errors import IdempotencyConflictError, StoreError
 from sandgate.store.base import (
+    ORPHANED_EXEC_JOB,
     ApiKey,
+    ExecJob,
+    ExecJobId,
+    ExecJobState,
+    ExecResult,
     IdempotencyRecord,
     Job,
     JobId,
@@ -70,7 +75,9 @@ from sandgate.store.base import (
 from sandgate.store.migrate import async_url
 from sandgate.store.schema import (
     api_keys,
+    exec_jobs,
     idempotency_keys,
+    instances,
     jobs,
     sandboxes,
     tenants,
@@ -277,6 +284,83 @@ _SELECT_TUNNEL = select(tunnel_owners.c.node_url, tunnel_owners.c.updated_at).wh
     tunnel_owners.c.tunnel_key == bindparam("b_key")
 )
 
+_SELECT_EXEC_JOB = select(exec_jobs).where(
+    exec_jobs.c.id == bindparam("b_id"), exec_jobs.c.tenant_id == bindparam("b_tenant_id")
+)
+_SELECT_EXEC_JOB_BY_DIGEST = select(exec_jobs).where(
+    exec_jobs.c.tenant_id == bindparam("b_tenant_id"),
+    exec_jobs.c.digest == bindparam("b_digest"),
+)
+_LIST_EXEC_JOBS = (
+    select(exec_jobs)
+    .where(
+        exec_jobs.c.sandbox_name == bindparam("b_sandbox_name"),
+        exec_jobs.c.tenant_id == bindparam("b_tenant_id"),
+    )
+    .order_by(exec_jobs.c.created_at.desc(), exec_jobs.c.id.desc())
+    .limit(bindparam("b_limit"))
+)
+_START_EXEC_JOB = (
+    update(exec_jobs)
+    .where(exec_jobs.c.id == bindparam("b_id"), exec_jobs.c.state == "queued")
+    .values(
+        state="running",
+        claimed_by=bindparam("b_claimed_by"),
+        started_at=bindparam("b_now"),
+        updated_at=bindparam("b_now"),
+    )
+)
+_FINISH_EXEC_JOB = (
+    update(exec_jobs)
+    .where(exec_jobs.c.id == bindparam("b_id"), exec_jobs.c.state == "running")
+    .values(
+        state=bindparam("b_state"),
+        exit_code=bindparam("b_exit_code"),
+        stdout=bindparam("b_stdout"),
+        stderr=bindparam("b_stderr"),
+        stdout_truncated=bindparam("b_stdout_truncated"),
+        stderr_truncated=bindparam("b_stderr_truncated"),
+        error=bindparam("b_error"),
+        finished_at=bindparam("b_now"),
+        updated_at=bindparam("b_now"),
+    )
+)
+_UNFINISHED_EXEC = ("queued", "running")
+_FAIL_ORPHANED_EXEC_JOBS = (
+    update(exec_jobs)
+    .where(
+        exec_jobs.c.state.in_(_UNFINISHED_EXEC),
+        exec_jobs.c.updated_at < bindparam("b_dead_before"),
+        ~exists(
+            select(literal(1))
+            .select_from(instances)
+            .where(
+                instances.c.node_url == exec_jobs.c.claimed_by,
+                instances.c.heartbeat_at >= bindparam("b_dead_before"),
+            )
+        ),
+    )
+    .values(
+        state="failed",
+        error=ORPHANED_EXEC_JOB,
+        finished_at=bindparam("b_now"),
+        updated_at=bindparam("b_now"),
+    )
+)
+_FAIL_INSTANCE_EXEC_JOBS = (
+    update(exec_jobs)
+    .where(
+        exec_jobs.c.state.in_(_UNFINISHED_EXEC),
+        exec_jobs.c.claimed_by == bindparam("b_node_url"),
+    )
+    .values(
+        state="failed",
+        error=bindparam("b_error"),
+        finished_at=bindparam("b_now"),
+        updated_at=bindparam("b_now"),
+    )
+)
+
 
 class _DialectStatements:
     """The few statements whose SQL differs per dialect: ON CONFLICT inserts."""
@@ -299,6 +383,15 @@ class _DialectStatements:
                 "node_url": worker_ins.excluded.node_url,
                 "last_seen_at": worker_ins.excluded.last_seen_at,
             },
+        )
+        # a NULL digest (no key) never matches the unique (tenant_id, digest) constraint
+        self.insert_exec_job = dialect_insert(exec_jobs).on_conflict_do_nothing(
+            index_elements=[exec_jobs.c.tenant_id, exec_jobs.c.digest]
+        )
+        instance_ins = dialect_insert(instances)
+        self.heartbeat_instance = instance_ins.on_conflict_do_update(
+            index_elements=[instances.c.node_url],
+            set_={"heartbeat_at": instance_ins.excluded.heartbeat_at},
         )
         tunnel_ins = dialect_insert(tunnel_owners)
         self.claim_tunnel = tunnel_ins.on_conflict_do_update(
@@ -383,6 +476,30 @@ def _worker(row: Row[Any]) -> Worker:
         connected=row.connected,
         last_seen_at=row.last_seen_at,
         node_url=row.node_url,
+    )
+
+
+def _exec_job(row: Row[Any]) -> ExecJob:
+    return ExecJob(
+        id=ExecJobId(row.id),
+        tenant_id=TenantId(row.tenant_id),
+        sandbox_name=SandboxName(row.sandbox_name),
+        command=row.command,
+        timeout=row.timeout,
+        state=cast(ExecJobState, row.state),
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        digest=row.digest,
+        fingerprint=row.fingerprint,
+        exit_code=row.exit_code,
+        stdout=row.stdout,
+        stderr=row.stderr,
+        stdout_truncated=bool(row.stdout_truncated),
+        stderr_truncated=bool(row.stderr_truncated),
+        error=row.error,
+        claimed_by=row.claimed_by,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
     )
 
 
@@ -836,6 +953,113 @@ class SqlStore:
     async def tunnel_owner(self, tunnel_key: str) -> tuple[str, datetime] | None:
         row = await self._fetch_one(_SELECT_TUNNEL, {"b_key": tunnel_key})
         return None if row is None else (row.node_url, row.updated_at)
+
+    # --- exec jobs
+
+    @_store_op
+    async def insert_exec_job(self, job: ExecJob) -> None:
+        if (job.digest is None) != (job.fingerprint is None):
+            raise StoreError("an exec job has both a digest and a fingerprint, or neither")
+        moved = await self._write(
+            self._stmts.insert_exec_job,
+            {
+                "id": job.id,
+                "tenant_id": job.tenant_id,
+                "sandbox_name": job.sandbox_name,
+                "digest": job.digest,
+                "fingerprint": job.fingerprint,
+                "command": job.command,
+                "timeout": job.timeout,
+                "state": job.state,
+                "exit_code": job.exit_code,
+                "stdout": job.stdout,
+                "stderr": job.stderr,
+                "stdout_truncated": job.stdout_truncated,
+                "stderr_truncated": job.stderr_truncated,
+                "error": job.error,
+                "claimed_by": job.claimed_by,
+                "created_at": job.created_at,
+                "started_at": job.started_at,
+                "finished_at": job.finished_at,
+                "updated_at": job.updated_at,
+            },
+        )
+        if moved != 1:
+            raise IdempotencyConflictError("an exec job with this Idempotency-Key exists")
+
+    @_store_op
+    async def get_exec_job(self, tenant_id: TenantId, job_id: ExecJobId) -> ExecJob | None:
+        row = await self._fetch_one(_SELECT_EXEC_JOB, {"b_id": job_id, "b_tenant_id": tenant_id})
+        if row is None or row.tenant_id != tenant_id or row.id != job_id:
+            return None
+        return _exec_job(row)
+
+    @_store_op
+    async def list_exec_jobs(
+        self, tenant_id: TenantId, sandbox_name: SandboxName, limit: int
+    ) -> list[ExecJob]:
+        if limit <= 0:
+            return []
+        rows = await self._fetch_all(
+            _LIST_EXEC_JOBS,
+            {"b_sandbox_name": sandbox_name, "b_tenant_id": tenant_id, "b_limit": limit},
+        )
+        found = [_exec_job(r) for r in rows]
+        return [j for j in found if j.tenant_id == tenant_id and j.sandbox_name == sandbox_name]
+
+    @_store_op
+    async def find_exec_job_by_digest(self, tenant_id: TenantId, digest: str) -> ExecJob | None:
+        row = await self._fetch_one(
+            _SELECT_EXEC_JOB_BY_DIGEST, {"b_tenant_id": tenant_id, "b_digest": digest}
+        )
+        if row is None or row.tenant_id != tenant_id or row.digest != digest:
+            return None
+        return _exec_job(row)
+
+    @_store_op
+    async def start_exec_job(self, job_id: ExecJobId, claimed_by: str, now: datetime) -> bool:
+        params = {"b_id": job_id, "b_claimed_by": claimed_by, "b_now": now}
+        return await self._write(_START_EXEC_JOB, params) == 1
+
+    @_store_op
+    async def finish_exec_job(self, job_id: ExecJobId, result: ExecResult, now: datetime) -> bool:
+        if result.state not in ("succeeded", "failed"):
+            raise StoreError(f"an exec job cannot finish as {result.state!r}")
+        moved = await self._write(
+            _FINISH_EXEC_JOB,
+            {
+                "b_id": job_id,
+                "b_state": result.state,
+                "b_exit_code": result.exit_code,
+                "b_stdout": result.stdout,
+                "b_stderr": result.stderr,
+                "b_stdout_truncated": result.stdout_truncated,
+                "b_stderr_truncated": result.stderr_truncated,
+                "b_error": result.error,
+                "b_now": now,
+            },
+        )
+        return moved == 1
+
+    @_store_op
+    async def fail_orphaned_exec_jobs(self, dead_before: datetime, now: datetime) -> int:
+        return await self._write(
+            _FAIL_ORPHANED_EXEC_JOBS, {"b_dead_before": dead_before, "b_now": now}
+        )
+
+    @_store_op
+    async def fail_instance_exec_jobs(self, node_url: str, error: str, now: datetime) -> int:
+        return await self._write(
+            _FAIL_INSTANCE_EXEC_JOBS, {"b_node_url": node_url, "b_error": error, "b_now": now}
+        )
+
+    # --- instances
+
+    @_store_op
+    async def heartbeat_instance(self, node_url: str, now: datetime) -> None:
+        await self._write(
+            self._stmts.heartbeat_instance, {"node_url": node_url, "heartbeat_at": now}
+        )
 
 
 # ------------------------------------------------------------------------------ open

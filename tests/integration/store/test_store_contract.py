@@ -14,7 +14,11 @@ from sqlalchemy import select, true
 
 from sandgate.errors import IdempotencyConflictError, StoreError
 from sandgate.store.base import (
+    ORPHANED_EXEC_JOB,
     ApiKey,
+    ExecJob,
+    ExecJobId,
+    ExecResult,
     IdempotencyRecord,
     Job,
     JobId,
@@ -727,3 +731,149 @@ async def test_renew_tunnel_never_steals(store: SqlStore) -> None:
     assert await store.renew_tunnel("w", "http://a", T0 + timedelta(seconds=7)) is False
     owner = await store.tunnel_owner("w")
     assert owner is not None and owner[0] == "http://b"
+
+
+# ---------------------------------------------------------------------- exec jobs
+
+
+def exec_job(
+    job_id: str,
+    tenant: str = "t1",
+    *,
+    sandbox_name: str = "sb",
+    digest: str | None = None,
+    at: datetime = T0,
+    claimed_by: str | None = "http://a",
+) -> ExecJob:
+    return ExecJob(
+        id=ExecJobId(job_id),
+        tenant_id=TenantId(tenant),
+        sandbox_name=SandboxName(sandbox_name),
+        command="echo hi",
+        timeout=30.0,
+        state="queued",
+        created_at=at,
+        updated_at=at,
+        digest=digest,
+        fingerprint=None if digest is None else "f" * 64,
+        claimed_by=claimed_by,
+    )
+
+
+async def test_exec_job_round_trip_and_tenant_scope(store: SqlStore) -> None:
+    await store.insert_exec_job(exec_job("j1", digest="d1"))
+    got = await store.get_exec_job(TenantId("t1"), ExecJobId("j1"))
+    assert got == exec_job("j1", digest="d1")
+    assert await store.get_exec_job(TenantId("t2"), ExecJobId("j1")) is None
+    assert await store.find_exec_job_by_digest(TenantId("t1"), "d1") == got
+    assert await store.find_exec_job_by_digest(TenantId("t2"), "d1") is None
+    assert await store.find_exec_job_by_digest(TenantId("t1"), "d2") is None
+
+
+async def test_exec_job_duplicate_digest_conflicts(store: SqlStore) -> None:
+    await store.insert_exec_job(exec_job("j1", digest="d1"))
+    with pytest.raises(IdempotencyConflictError):
+        await store.insert_exec_job(exec_job("j2", digest="d1"))
+    assert await store.get_exec_job(TenantId("t1"), ExecJobId("j2")) is None
+    await store.insert_exec_job(exec_job("j3", "t2", digest="d1"))  # other tenant: its own
+
+
+async def test_exec_jobs_without_key_never_collide(store: SqlStore) -> None:
+    for i in range(3):
+        await store.insert_exec_job(exec_job(f"n{i}"))
+    listed = await store.list_exec_jobs(TenantId("t1"), SandboxName("sb"), 10)
+    assert sorted(j.id for j in listed) == ["n0", "n1", "n2"]
+
+
+async def test_concurrent_exec_job_inserts_have_one_winner(store_url: str) -> None:
+    stores = [await open_store(store_url), await open_store(store_url)]
+    try:
+
+        async def attempt(i: int) -> str:
+            try:
+                await stores[i % 2].insert_exec_job(exec_job(f"r{i}", digest="one"))
+            except IdempotencyConflictError:
+                return "conflict"
+            return "created"
+
+        outcomes = await asyncio.gather(*(attempt(i) for i in range(30)))
+        assert outcomes.count("created") == 1
+        winner = await stores[1].find_exec_job_by_digest(TenantId("t1"), "one")
+        assert winner is not None and outcomes[int(winner.id[1:])] == "created"
+    finally:
+        for s in stores:
+            await s.aclose()
+
+
+async def test_list_exec_jobs_newest_first_scoped_and_limited(store: SqlStore) -> None:
+    for i in range(5):
+        await store.insert_exec_job(exec_job(f"j{i}", at=T0 + timedelta(seconds=i)))
+    await store.insert_exec_job(exec_job("other-sb", sandbox_name="sb2"))
+    await store.insert_exec_job(exec_job("other-tenant", "t2"))
+    listed = await store.list_exec_jobs(TenantId("t1"), SandboxName("sb"), 3)
+    assert [j.id for j in listed] == ["j4", "j3", "j2"]
+    assert await store.list_exec_jobs(TenantId("t1"), SandboxName("sb"), 0) == []
+    assert [j.id for j in await store.list_exec_jobs(TenantId("t2"), SandboxName("sb"), 9)] == [
+        "other-tenant"
+    ]
+
+
+async def test_exec_job_moves_are_conditional(store: SqlStore) -> None:
+    await store.insert_exec_job(exec_job("j"))
+    done = ExecResult(state="succeeded", exit_code=0, stdout="out", stderr="err")
+    t1, t2 = T0 + timedelta(seconds=1), T0 + timedelta(seconds=2)
+    assert await store.finish_exec_job(ExecJobId("j"), done, t1) is False  # not running yet
+    assert await store.start_exec_job(ExecJobId("j"), "http://b", t1) is True
+    assert await store.start_exec_job(ExecJobId("j"), "http://c", t1) is False  # runs once
+    assert await store.finish_exec_job(ExecJobId("j"), done, t2) is True
+    failed = ExecResult(state="failed", exit_code=1, error="late")
+    assert await store.finish_exec_job(ExecJobId("j"), failed, t2) is False
+    got = await store.get_exec_job(TenantId("t1"), ExecJobId("j"))
+    assert got is not None
+    assert (got.state, got.exit_code, got.stdout, got.stderr) == ("succeeded", 0, "out", "err")
+    assert (got.claimed_by, got.started_at, got.finished_at) == ("http://b", t1, t2)
+    assert got.error is None and not got.stdout_truncated and not got.stderr_truncated
+
+
+async def test_fail_orphaned_exec_jobs_only_of_dead_instances(store: SqlStore) -> None:
+    await store.heartbeat_instance("http://alive", T0 + timedelta(minutes=5))
+    await store.heartbeat_instance("http://dead", T0)
+    for job_id, owner in (("alive", "http://alive"), ("dead", "http://dead"), ("gone", "http://x")):
+        await store.insert_exec_job(exec_job(job_id, claimed_by=owner))
+        assert await store.start_exec_job(ExecJobId(job_id), owner, T0)
+    await store.insert_exec_job(exec_job("queued-dead", claimed_by="http://dead"))
+    await store.insert_exec_job(
+        exec_job("fresh", claimed_by="http://x", at=T0 + timedelta(minutes=5))
+    )
+    await store.insert_exec_job(exec_job("finished", claimed_by="http://dead"))
+    await store.start_exec_job(ExecJobId("finished"), "http://dead", T0)
+    await store.finish_exec_job(ExecJobId("finished"), ExecResult("succeeded", 0), T0)
+
+    now = T0 + timedelta(minutes=6)
+    failed = await store.fail_orphaned_exec_jobs(T0 + timedelta(minutes=1), now)
+    assert failed == 3  # dead, gone (never heartbeated), queued-dead
+    states = {
+        j.id: (j.state, j.error)
+        for j in await store.list_exec_jobs(TenantId("t1"), SandboxName("sb"), 100)
+    }
+    assert states["alive"] == ("running", None)
+    assert states["fresh"] == ("queued", None)  # touched after dead_before: not yet
+    assert states["finished"] == ("succeeded", None)
+    for job_id in ("dead", "gone", "queued-dead"):
+        assert states[job_id] == ("failed", ORPHANED_EXEC_JOB)
+    assert await store.fail_orphaned_exec_jobs(T0 + timedelta(minutes=1), now) == 0
+    # a failed job is never started again
+    assert await store.start_exec_job(ExecJobId("queued-dead"), "http://alive", now) is False
+
+
+async def test_heartbeat_upserts_and_instance_jobs_fail(store: SqlStore) -> None:
+    await store.heartbeat_instance("http://a", T0)
+    await store.heartbeat_instance("http://a", T0 + timedelta(minutes=10))
+    await store.insert_exec_job(exec_job("j", claimed_by="http://a"))
+    await store.start_exec_job(ExecJobId("j"), "http://a", T0)
+    # heartbeat renewed: not orphaned
+    assert await store.fail_orphaned_exec_jobs(T0 + timedelta(minutes=5), T0) == 0
+    assert await store.fail_instance_exec_jobs("http://b", "restarted", T0) == 0
+    assert await store.fail_instance_exec_jobs("http://a", "restarted", T0) == 1
+    got = await store.get_exec_job(TenantId("t1"), ExecJobId("j"))
+    assert got is not None and (got.state, got.error) == ("failed", "restarted")

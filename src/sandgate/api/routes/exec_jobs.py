@@ -1,0 +1,74 @@
+"""`/api/v1/.../exec-jobs`: commands run once in the background, idempotent across instances."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query
+from fastapi.responses import JSONResponse
+
+from sandgate.api.deps import Services, services, tenant
+from sandgate.api.routes.sandboxes import error_docs
+from sandgate.api.schemas import CreateExecJob, ExecJobList, ExecJobOut
+from sandgate.control.exec_jobs import ExecJobRequest
+from sandgate.errors import InvalidRequestError
+from sandgate.store.base import ExecJob, TenantId
+
+router = APIRouter(prefix="/api/v1", tags=["exec-jobs"])
+
+Tenant = Annotated[TenantId, Depends(tenant)]
+Svc = Annotated[Services, Depends(services)]
+
+
+def exec_job_out(job: ExecJob) -> dict[str, Any]:
+    return ExecJobOut(
+        id=job.id,
+        sandbox=job.sandbox_name,
+        state=job.state,
+        command=job.command,
+        timeout=job.timeout,
+        exit_code=job.exit_code,
+        stdout=job.stdout,
+        stderr=job.stderr,
+        stdout_truncated=job.stdout_truncated,
+        stderr_truncated=job.stderr_truncated,
+        error=job.error,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+    ).model_dump(mode="json")
+
+
+@router.post(
+    "/sandboxes/{name}/exec-jobs",
+    status_code=202,
+    response_model=ExecJobOut,
+    responses=error_docs(),
+)
+async def create_exec_job(
+    name: str,
+    body: CreateExecJob,
+    who: Tenant,
+    svc: Svc,
+    idempotency_key: Annotated[str | None, Header()] = None,
+) -> JSONResponse:
+    timeout = body.timeout if body.timeout is not None else svc.settings.default_exec_timeout
+    if timeout > svc.settings.max_exec_timeout:
+        raise InvalidRequestError(f"timeout is at most {svc.settings.max_exec_timeout:g} seconds")
+    request = ExecJobRequest(command=body.command, timeout=timeout, env=body.env, cwd=body.cwd)
+    result = await svc.exec_jobs.submit(who, name, request, idempotency_key)
+    headers = {"Idempotent-Replayed": "true"} if result.replayed else {}
+    return JSONResponse(exec_job_out(result.job), status_code=202, headers=headers)
+
+
+@router.get("/exec-jobs/{job_id}", response_model=ExecJobOut, responses=error_docs())
+async def get_exec_job(job_id: str, who: Tenant, svc: Svc) -> dict[str, Any]:
+    return exec_job_out(await svc.exec_jobs.get(who, job_id))
+
+
+@router.get("/sandboxes/{name}/exec-jobs", response_model=ExecJobList, responses=error_docs())
+async def list_exec_jobs(
+    name: str, who: Tenant, svc: Svc, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+) -> dict[str, Any]:
+    jobs = await svc.exec_jobs.list_jobs(who, name, limit)
+    return {"exec_jobs": [exec_job_out(j) for j in jobs]}
