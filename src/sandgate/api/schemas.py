@@ -89,9 +89,9 @@ class ExtendTimeout(_In):
     timeout: float = Field(gt=0, description="seconds from now until it is reaped")
 
 
-class Execute(_In):
-    language: Literal["bash", "sh", "python"] = "bash"
-    code: str = Field(min_length=1)
+class _RunOptions(_In):
+    """Where and how long a command runs: shared by execute and exec jobs."""
+
     timeout: float | None = Field(default=None, gt=0)
     env: dict[str, str] = Field(default_factory=dict)
     cwd: str = Field(default="/workspace", min_length=1, max_length=4096)
@@ -100,6 +100,11 @@ class Execute(_In):
     @classmethod
     def _env(cls, value: dict[str, str]) -> dict[str, str]:
         return _check_env(value)
+
+
+class Execute(_RunOptions):
+    language: Literal["bash", "sh", "python"] = "bash"
+    code: str = Field(min_length=1)
 
 
 class ExecuteOut(BaseModel):
@@ -112,16 +117,8 @@ class ExecuteOut(BaseModel):
     stderr_truncated: bool = False
 
 
-class CreateExecJob(_In):
+class CreateExecJob(_RunOptions):
     command: str = Field(min_length=1)
-    timeout: float | None = Field(default=None, gt=0)
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str = Field(default="/workspace", min_length=1, max_length=4096)
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        return _check_env(value)
 
 
 class ExecJobOut(BaseModel):
