@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 
 RUNNING_CACHE_TTL = 1.0  # seconds a running sandbox's record is reused by this instance
+OWNER_CACHE_TTL = 1.0  # seconds a tunnel owner read from the store is reused
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ class ServerLocalState:
     # delete and extend. Under N instances a sandbox stopped elsewhere is gone from its worker,
     # which then answers 409: the cache never lets a call reach a stopped sandbox.
     running_sandboxes: dict[tuple[str, str], tuple[Sandbox, float]] = field(default_factory=dict)
+    # worker -> (node_url of the instance holding its tunnel, read at monotonic): spares the
+    # store read on every forwarded call. Trusted for OWNER_CACHE_TTL and dropped when that
+    # instance answers that it no longer holds the tunnel (which it never forwards: hop guard).
+    owner_cache: dict[str, tuple[str, float]] = field(default_factory=dict)
     # peer node_url -> (what is wrong with it, when seen, monotonic): it answered HTML or
     # refused our signature. Per-process by nature: what this instance saw; /readyz shows the
     # ones seen in the last 15 s (each failed call renews it), so a fixed peer stops counting.
@@ -63,6 +68,20 @@ class ServerLocalState:
 
     def forget_running(self, tenant: str, name: str) -> None:
         self.running_sandboxes.pop((tenant, name), None)
+
+    def cached_owner(self, worker: str) -> str | None:
+        hit = self.owner_cache.get(worker)
+        if hit is None or time.monotonic() - hit[1] > OWNER_CACHE_TTL:
+            return None
+        return hit[0]
+
+    def cache_owner(self, worker: str, node_url: str, limit: int = 10_000) -> None:
+        if len(self.owner_cache) >= limit:
+            self.owner_cache.clear()
+        self.owner_cache[worker] = (node_url, time.monotonic())
+
+    def forget_owner(self, worker: str) -> None:
+        self.owner_cache.pop(worker, None)
 
     def recent_peer_problems(self, within: float = 15.0) -> list[str]:
         now = time.monotonic()
@@ -122,6 +141,12 @@ STATE_TABLE: dict[str, StateRow] = {
         "10,000 entries, each trusted for 1 s",
         "exact via store after 1 s; a sandbox stopped by another instance within that second "
         "is already gone from its worker, which answers 409",
+    ),
+    "ServerLocalState.owner_cache": StateRow(
+        "which instance holds each worker's tunnel, as last read from tunnel_owners",
+        "one per worker, each trusted for 1 s",
+        "exact via store after 1 s, or at once when that instance answers that it no longer "
+        "holds the tunnel",
     ),
     "ServerLocalState.peer_problems": StateRow(
         "configuration problems seen when calling other instances",

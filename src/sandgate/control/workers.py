@@ -14,6 +14,7 @@ from sandgate.errors import (
     NetworkUnavailableError,
     NoCapacityError,
     TunnelUnavailableError,
+    UnavailableError,
 )
 from sandgate.local_state import ServerLocalState
 from sandgate.store.base import SandboxName, Store, Worker, WorkerName
@@ -191,11 +192,19 @@ class WorkerRegistry:
         session = self.local(worker)
         if session is not None:
             return await session.channel.request(op, fields, payload, wait=wait)
-        node_url = await self.owner(worker) if forward else None
-        if node_url is None or node_url == self.node_url:
+        if not forward or not worker:
             raise TunnelUnavailableError("sandbox tunnel not available", retry_after=2.0)
-        assert worker is not None
-        return await self.peers.tunnel_call(node_url, worker, op, fields, payload, wait=wait)
+        node_url = self.state.cached_owner(worker)
+        if node_url is None:
+            node_url = await self.owner(worker)
+            if node_url is None or node_url == self.node_url:
+                raise TunnelUnavailableError("sandbox tunnel not available", retry_after=2.0)
+            self.state.cache_owner(worker, node_url)
+        try:
+            return await self.peers.tunnel_call(node_url, worker, op, fields, payload, wait=wait)
+        except UnavailableError:
+            self.state.forget_owner(worker)  # unreachable or not the owner: look it up again
+            raise
 
     async def is_connected(self, worker: str) -> bool:
         return self.local(worker) is not None or await self.owner(worker) is not None
