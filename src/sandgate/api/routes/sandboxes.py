@@ -170,10 +170,11 @@ async def _execute(name: str, body: Execute, who: TenantId, svc: Services) -> di
 @router.post("/sandboxes/execute", response_model=ExecuteOut, responses=error_docs())
 async def execute_by_query(
     body: Execute, who: Tenant, svc: Svc, sandbox: Annotated[str, Query(min_length=1)]
-) -> dict[str, Any]:
-    return await _execute(sandbox, body, who, svc)
+) -> JSONResponse:
+    # built from the validated reply already: skip a second validation on the hot path
+    return JSONResponse(await _execute(sandbox, body, who, svc))
 
 
 @router.post("/sandboxes/{name}/execute", response_model=ExecuteOut, responses=error_docs())
-async def execute(name: str, body: Execute, who: Tenant, svc: Svc) -> dict[str, Any]:
-    return await _execute(name, body, who, svc)
+async def execute(name: str, body: Execute, who: Tenant, svc: Svc) -> JSONResponse:
+    return JSONResponse(await _execute(name, body, who, svc))
