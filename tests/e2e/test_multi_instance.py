@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
 
 from tests.e2e.conftest import (
     HEARTBEAT,
@@ -38,6 +38,7 @@ from tests.e2e.conftest import (
     with_database,
 )
 from tests.integration.api.conftest import free_port, wait_until
+from tests.integration.api.test_pty import echo_resize_exit, read_until
 
 TUNNEL_UNAVAILABLE = {
     "error": {"code": "tunnel_unavailable", "message": "sandbox tunnel not available"}
@@ -350,16 +351,6 @@ def test_100mb_upload_and_download_through_the_non_owner(clean: Cluster) -> None
     report(f"(d) 100 MB through the non-owner: upload {up:.1f} s, download {down:.1f} s")
 
 
-async def _read_until(ws: ClientConnection, needle: bytes) -> bytes:
-    seen = b""
-    async with asyncio.timeout(15):
-        while needle not in seen:
-            message = await ws.recv()
-            if isinstance(message, bytes):
-                seen += message
-    return seen
-
-
 @pytest.mark.timeout(90)
 def test_pty_session_through_the_non_owner(clean: Cluster) -> None:
     cluster = clean
@@ -370,22 +361,7 @@ def test_pty_session_through_the_non_owner(clean: Cluster) -> None:
     async def session() -> dict[str, object] | None:
         headers = {"Authorization": f"Bearer {cluster.key}"}
         async with connect(url, additional_headers=headers) as ws:
-            await ws.send(b"stty size; echo hi-$((40+2))\r")
-            out = await _read_until(ws, b"hi-42")
-            assert b"30 100" in out
-            await ws.send(json.dumps({"type": "resize", "cols": 120, "rows": 50}))
-            await ws.send(b"stty size\r")
-            await _read_until(ws, b"50 120")
-            await ws.send(b"exit 7\r")
-            final = None
-            try:
-                while True:
-                    message = await asyncio.wait_for(ws.recv(), 15)
-                    if isinstance(message, str):
-                        final = json.loads(message)
-            except ConnectionClosed:
-                pass
-            return final
+            return await echo_resize_exit(ws)
 
     assert asyncio.run(session()) == {"type": "exit", "exit_code": 7}
 
@@ -405,7 +381,7 @@ def test_pty_token_issued_by_the_owner_opens_a_terminal_on_the_non_owner(
     async def session() -> bytes:
         async with connect(url) as ws:
             await ws.send(b"echo tok-$((6*7))\r")
-            return await _read_until(ws, b"tok-42")
+            return await read_until(ws, b"tok-42")
 
     assert b"tok-42" in asyncio.run(session())
 

@@ -21,7 +21,7 @@ def ws_url(dep: Deployment, name: str, **query: str) -> str:
 
 async def read_until(ws: ClientConnection, needle: bytes) -> bytes:
     seen = b""
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(15):
         while needle not in seen:
             message = await ws.recv()
             if isinstance(message, bytes):
@@ -29,27 +29,35 @@ async def read_until(ws: ClientConnection, needle: bytes) -> bytes:
     return seen
 
 
+async def echo_resize_exit(ws: ClientConnection) -> dict[str, object] | None:
+    """Drive a 100x30 terminal: echo, `stty size`, resize to 120x50, `exit 7`.
+
+    Returns the server's last control message (the exit). Shared with the e2e test that
+    runs the same session through an instance that does not hold the tunnel."""
+    await ws.send(b"stty size; echo hi-$((40+2))\r")
+    out = await read_until(ws, b"hi-42")
+    assert b"30 100" in out
+    await ws.send(json.dumps({"type": "resize", "cols": 120, "rows": 50}))
+    await ws.send(b"stty size\r")
+    assert b"50 120" in await read_until(ws, b"50 120")
+    await ws.send(b"exit 7\r")
+    final = None
+    try:
+        while True:
+            message = await asyncio.wait_for(ws.recv(), 15)
+            if isinstance(message, str):
+                final = json.loads(message)
+    except ConnectionClosed:
+        pass
+    return final
+
+
 def test_echo_resize_and_exit(deployment: Deployment, sandbox: str) -> None:
     async def session() -> None:
         headers = {"Authorization": f"Bearer {deployment.keys['alpha']}"}
         url = ws_url(deployment, sandbox, cols="100", rows="30", command="bash")
         async with connect(url, additional_headers=headers) as ws:
-            await ws.send(b"stty size; echo hi-$((40+2))\r")
-            out = await read_until(ws, b"hi-42")
-            assert b"30 100" in out
-            await ws.send(json.dumps({"type": "resize", "cols": 120, "rows": 50}))
-            await ws.send(b"stty size\r")
-            assert b"50 120" in await read_until(ws, b"50 120")
-            await ws.send(b"exit 7\r")
-            final = None
-            try:
-                while True:
-                    message = await asyncio.wait_for(ws.recv(), 10)
-                    if isinstance(message, str):
-                        final = json.loads(message)
-            except ConnectionClosed:
-                pass
-            assert final == {"type": "exit", "exit_code": 7}
+            assert await echo_resize_exit(ws) == {"type": "exit", "exit_code": 7}
 
     asyncio.run(session())
 
