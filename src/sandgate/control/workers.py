@@ -105,14 +105,15 @@ class WorkerRegistry:
         With `adopt_pending`, a reported sandbox still `pending` (its create's instance died
         before recording the start) is marked running: it runs.
         """
+        # one read for the whole report, not one per sandbox (this runs on every heartbeat)
+        expected = {
+            record.name: record
+            for record in await self.store.list_worker_sandboxes(worker, ("running", "pending"))
+        }
         remove = []
         for name in sorted(reported):
-            record = await self.store.get_sandbox(SandboxName(name))
-            if (
-                record is None
-                or record.worker != worker
-                or record.state not in ("running", "pending")
-            ):
+            record = expected.get(SandboxName(name))
+            if record is None or record.worker != worker:
                 remove.append(name)
             elif record.state == "pending" and adopt_pending is not None:
                 now = adopt_pending
