@@ -41,6 +41,13 @@ class ServerSettings(_Frozen):
     orphan_grace: float = 30.0
     max_delivery_attempts: int = 5  # then the job fails and its sandbox is marked error
     faults: frozenset[str] = frozenset()  # test fault points (sandgate.faults)
+    # admission, counted in the store for the whole deployment (sandgate.control.admission)
+    admission: bool = True  # off only to measure what it costs (bench/)
+    queue_limit: int = Field(default=500, ge=0)  # creates waiting for worker capacity
+    queue_timeout: float = 120.0  # a queued create gives up after this (503 queue_timeout)
+    breaker_threshold: int = Field(default=3, ge=1)  # scheduling timeouts within the window...
+    breaker_window: float = 600.0
+    breaker_open: float = 60.0  # ...open the breaker this long, then one trial create
     # auth cache: a revoked key stops working on every instance within this
     auth_cache_ttl: float = 5.0
 
@@ -56,3 +63,4 @@ class WorkerSettings(_Frozen):
     heartbeat_interval: float = 10.0
     reconnect_min: float = 0.2
     reconnect_max: float = 5.0
+    faults: frozenset[str] = frozenset()  # test fault points (sandgate.faults)

@@ -9,13 +9,15 @@ SandgateError                      code, message (both shown to the user)
 ├── NotFoundError                  no such sandbox/file for this tenant (404)
 ├── ConflictError                  the target exists or is in the wrong state (409)
 ├── PayloadTooLargeError           body over the documented cap (413)
+├── LimitExceededError             a configured limit was hit; carries limit, retry_after (429)
 ├── UnavailableError               try again later; carries retry_after (503)
 │   ├── NoCapacityError            no connected worker has room
 │   └── TunnelUnavailableError     the sandbox's worker is not connected
 ├── SandboxTimeoutError            the worker did not answer in time (504)
 ├── WorkerError                    the worker or agent failed the operation (502)
 └── StoreError                     the store failed
-    └── IdempotencyConflictError   (tenant, digest) already recorded; carries nothing else
+    ├── IdempotencyConflictError   (tenant, digest) already recorded; carries nothing else
+    └── QuotaConflictError         a tenant's live count is at its quota; carries the count
 """
 
 from __future__ import annotations
@@ -63,6 +65,19 @@ class PayloadTooLargeError(SandgateError):
     code = "payload_too_large"
 
 
+class LimitExceededError(SandgateError):
+    """A limit of the deployment or the tenant; `limit` names it, as the user configured it."""
+
+    code = "limit_exceeded"
+
+    def __init__(
+        self, message: str, *, limit: str, retry_after: float, code: str | None = None
+    ) -> None:
+        super().__init__(message, code=code)
+        self.limit = limit
+        self.retry_after = retry_after
+
+
 class UnavailableError(SandgateError):
     code = "unavailable"
 
@@ -73,6 +88,10 @@ class UnavailableError(SandgateError):
 
 class NoCapacityError(UnavailableError):
     code = "no_capacity"
+
+
+class AtCapacityError(NoCapacityError):
+    """Workers are connected and all full: a create may wait in the admission queue."""
 
 
 class TunnelUnavailableError(UnavailableError):
@@ -93,3 +112,11 @@ class StoreError(SandgateError):
 
 class IdempotencyConflictError(StoreError):
     code = "idempotency_conflict"
+
+
+class QuotaConflictError(StoreError):
+    code = "quota_conflict"
+
+    def __init__(self, message: str, *, live: int) -> None:
+        super().__init__(message)
+        self.live = live

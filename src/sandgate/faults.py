@@ -18,6 +18,11 @@ FAULTS = MappingProxyType(
         "exit-after-accept": (
             "SIGKILL this process right after committing an accept, before any delivery"
         ),
+        # worker side
+        "hang-start": (
+            "worker: every provision hangs and its sandbox never becomes ready, so each create "
+            "is a scheduling timeout; restart the worker without it to recover"
+        ),
     }
 )
 

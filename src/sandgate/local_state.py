@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sandgate.store.base import ApiKey, Sandbox
+    from sandgate.store.base import ApiKey, Sandbox, TenantLimits
     from sandgate.tunnel.hub import TunnelSession
     from sandgate.tunnel.rpc import RpcChannel
     from sandgate.worker.service import LiveSandbox
@@ -98,6 +98,21 @@ class ServerLocalState:
     # Per-process by nature: a connection; redialed when it drops.
     peer_links: dict[str, asyncio.Future[RpcChannel]] = field(default_factory=dict)
 
+    # tenant -> (its limits or None for none, read at monotonic): spares a store read per
+    # request. Only the configuration is cached; what the limits count is in the store.
+    limits_cache: dict[str, tuple[TenantLimits | None, float]] = field(default_factory=dict)
+
+    def cached_limits(self, tenant: str, ttl: float) -> tuple[bool, TenantLimits | None]:
+        hit = self.limits_cache.get(tenant)
+        if hit is None or time.monotonic() - hit[1] > ttl:
+            return False, None
+        return True, hit[0]
+
+    def cache_limits(self, tenant: str, limits: TenantLimits | None, limit: int = 10_000) -> None:
+        if len(self.limits_cache) >= limit:
+            self.limits_cache.clear()
+        self.limits_cache[tenant] = (limits, time.monotonic())
+
     def cached_key(self, key_hash: str, ttl: float) -> ApiKey | None:
         hit = self.auth_cache.get(key_hash)
         if hit is None or time.monotonic() - hit[1] > ttl:
@@ -164,6 +179,13 @@ STATE_TABLE: dict[str, StateRow] = {
         "per-process by nature: the job's state and idempotency key are in the store (unique "
         "(tenant, digest)); if this instance dies, recovery elsewhere fails its jobs and never "
         "re-runs them",
+    ),
+    "ServerLocalState.limits_cache": StateRow(
+        "each tenant's configured limits (rate, quotas), as last read from tenant_limits",
+        "10,000 entries, each trusted for auth_cache_ttl (5 s)",
+        "exact via store: only the configuration is cached (a change applies on every instance "
+        "within 5 s); tokens, live sandboxes, running exec jobs, the create queue and the "
+        "breaker are counted in the store on every use",
     ),
     "PeerClient._links": StateRow(
         "serve loops of this instance's open peer links",

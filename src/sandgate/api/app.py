@@ -13,8 +13,18 @@ from sandgate.api import errors
 from sandgate.api.deps import Services
 from sandgate.api.internal_auth import InternalAuth
 from sandgate.api.limits import BodyLimit
-from sandgate.api.routes import exec_jobs, files, internal, processes, pty, sandboxes, system
+from sandgate.api.routes import (
+    admission,
+    exec_jobs,
+    files,
+    internal,
+    processes,
+    pty,
+    sandboxes,
+    system,
+)
 from sandgate.config import ServerSettings
+from sandgate.control.admission import Admission
 from sandgate.control.exec_jobs import ExecJobService
 from sandgate.control.peers import PeerClient
 from sandgate.control.reaper import Reaper
@@ -41,9 +51,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
         workers = WorkerRegistry(
             store, state, node_url=node_url, peers=peers, owner_ttl=settings.owner_ttl
         )
-        service = SandboxService(store, state, workers, settings)
-        jobs = ExecJobService(store, state, service, settings, node_url=node_url)
-        app.state.services = Services(settings, store, state, workers, service, jobs)
+        gate = Admission(store, state, settings, node_url=node_url)
+        service = SandboxService(store, state, workers, settings, gate)
+        jobs = ExecJobService(store, state, service, settings, gate, node_url=node_url)
+        app.state.services = Services(settings, store, state, workers, service, jobs, gate)
         try:
             if left := await jobs.fail_leftovers():
                 log.warning("exec_jobs.failed_from_earlier_run", extra={"jobs": left})
@@ -90,6 +101,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     errors.install(app)
     app.include_router(sandboxes.router)
     app.include_router(exec_jobs.router)
+    app.include_router(admission.router)
     app.include_router(files.router)
     app.include_router(processes.router)
     app.include_router(pty.router)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from sandgate.config import ServerSettings
+from sandgate.control.admission import Admission
 from sandgate.control.exec_jobs import ExecJobService
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.workers import WorkerRegistry
@@ -24,6 +25,7 @@ class Services:
     workers: WorkerRegistry
     sandboxes: SandboxService
     exec_jobs: ExecJobService
+    admission: Admission
 
 
 def services(request: Request) -> Services:
@@ -56,9 +58,10 @@ async def resolve_key(svc: Services, key: str | None) -> ApiKey:
 
 
 async def tenant(request: Request) -> TenantId:
-    """The tenant of a tenant API key. Worker tokens cannot call the API."""
+    """The tenant of a tenant API key, within its rate limit. Worker tokens cannot call the API."""
     svc = services(request)
     record = await resolve_key(svc, presented_key(request.headers))
     if record.kind != "tenant" or record.tenant_id is None:
         raise AuthError("this is a worker token; the API takes tenant API keys")
+    await svc.admission.check_rate(record.tenant_id)
     return record.tenant_id

@@ -24,6 +24,7 @@ _STATUS: tuple[tuple[type[e.SandgateError], int], ...] = (
     (e.NotFoundError, 404),
     (e.ConflictError, 409),
     (e.PayloadTooLargeError, 413),
+    (e.LimitExceededError, 429),
     (e.UnavailableError, 503),
     (e.SandboxTimeoutError, 504),
     (e.WorkerError, 502),
@@ -51,24 +52,36 @@ def status_of(exc: e.SandgateError) -> int:
 
 
 def error_response(
-    status: int, code: str, message: str, headers: dict[str, str] | None = None
+    status: int,
+    code: str,
+    message: str,
+    headers: dict[str, str] | None = None,
+    **extra: str,
 ) -> JSONResponse:
     return JSONResponse(
-        {"error": {"code": code, "message": message}}, status_code=status, headers=headers
+        {"error": {"code": code, "message": message, **extra}}, status_code=status, headers=headers
     )
+
+
+def retry_after_header(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
 async def _domain(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, e.SandgateError)
     status = status_of(exc)
     headers = None
+    extra: dict[str, str] = {}
     if isinstance(exc, e.UnavailableError):
-        headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
+        headers = retry_after_header(exc.retry_after)
+    elif isinstance(exc, e.LimitExceededError):
+        headers = retry_after_header(exc.retry_after)
+        extra["limit"] = exc.limit
     elif isinstance(exc, e.StoreError):
         headers = {"Retry-After": "1"}
     if status >= 500:
         log.warning("request.failed", extra={"code": exc.code, "error": exc.message})
-    return error_response(status, exc.code, exc.message, headers)
+    return error_response(status, exc.code, exc.message, headers, **extra)
 
 
 async def _validation(request: Request, exc: Exception) -> JSONResponse:

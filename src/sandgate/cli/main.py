@@ -22,6 +22,8 @@ app = typer.Typer(
 )
 keys_app = typer.Typer(help="Create API keys and worker tokens.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
+tenants_app = typer.Typer(help="Per-tenant limits: rate and quotas.", no_args_is_help=True)
+app.add_typer(tenants_app, name="tenants")
 
 
 DbOpt = Annotated[
@@ -119,6 +121,62 @@ async def _create_key(db: str, tenant: str | None, worker_name: str = "") -> str
         await store.aclose()
 
 
+@tenants_app.command("limit")
+def tenants_limit(
+    db: DbOpt,
+    tenant: Annotated[str, typer.Argument(help="tenant name (as given to keys create)")],
+    rps: Annotated[
+        float | None, typer.Option(help="requests per second, all instances together")
+    ] = None,
+    burst: Annotated[
+        int | None, typer.Option(min=1, help="requests allowed at once (default: rps)")
+    ] = None,
+    max_sandboxes: Annotated[int | None, typer.Option(min=0, help="live sandboxes")] = None,
+    max_exec_jobs: Annotated[
+        int | None, typer.Option(min=0, help="queued + running exec jobs")
+    ] = None,
+    log_level: LogOpt = "WARNING",
+) -> None:
+    """Set a tenant's limits (each one left out is removed); running instances apply them
+    within 5 s."""
+    logs.setup(log_level)
+    if rps is not None and rps <= 0:
+        raise typer.BadParameter("give a positive rate, or leave --rps out", param_hint="--rps")
+    if burst is not None and rps is None:
+        raise typer.BadParameter("--burst needs --rps", param_hint="--burst")
+    shown = asyncio.run(_set_limits(db, tenant, rps, burst, max_sandboxes, max_exec_jobs))
+    typer.echo(shown)
+
+
+async def _set_limits(
+    db: str,
+    tenant: str,
+    rps: float | None,
+    burst: int | None,
+    max_sandboxes: int | None,
+    max_exec_jobs: int | None,
+) -> str:
+    from datetime import UTC, datetime
+
+    from sandgate.store.base import TenantLimits
+    from sandgate.store.sql import open_store
+
+    await _prepare_db(db)
+    store = await open_store(db)
+    try:
+        record = await store.ensure_tenant(tenant)
+        limits = TenantLimits(record.id, rps, burst, max_sandboxes, max_exec_jobs)
+        await store.set_tenant_limits(limits, datetime.now(UTC))
+    finally:
+        await store.aclose()
+    parts = [
+        f"rps={rps:g} burst={limits.bucket}" if rps is not None else "rps=unlimited",
+        f"max_sandboxes={max_sandboxes if max_sandboxes is not None else 'unlimited'}",
+        f"max_exec_jobs={max_exec_jobs if max_exec_jobs is not None else 'unlimited'}",
+    ]
+    return f"tenant {tenant}: " + " ".join(parts)
+
+
 def _refuse_second_sqlite_instance(db: str) -> None:
     """Fail fast, before touching the file; the server itself holds the lock while it runs."""
     from sandgate.errors import ConflictError
@@ -175,6 +233,44 @@ def server(
             "its unfinished exec jobs are failed (never re-run)",
         ),
     ] = 30.0,
+    queue_limit: Annotated[
+        int,
+        typer.Option(
+            envvar="SANDGATE_QUEUE_LIMIT",
+            min=0,
+            help="creates that may wait for worker capacity, all instances together "
+            "(then 429); 0: no queue, 503 at once",
+        ),
+    ] = 500,
+    queue_timeout: Annotated[
+        float,
+        typer.Option(envvar="SANDGATE_QUEUE_TIMEOUT", help="seconds a queued create waits"),
+    ] = 120.0,
+    breaker_threshold: Annotated[
+        int,
+        typer.Option(
+            envvar="SANDGATE_BREAKER_THRESHOLD",
+            min=1,
+            help="scheduling timeouts within --breaker-window that open the breaker",
+        ),
+    ] = 3,
+    breaker_window: Annotated[
+        float, typer.Option(envvar="SANDGATE_BREAKER_WINDOW", help="seconds")
+    ] = 600.0,
+    breaker_open: Annotated[
+        float,
+        typer.Option(
+            envvar="SANDGATE_BREAKER_OPEN", help="seconds the breaker stays open before a trial"
+        ),
+    ] = 60.0,
+    admission: Annotated[
+        bool,
+        typer.Option(
+            "--admission/--no-admission",
+            envvar="SANDGATE_ADMISSION",
+            help="queue, breaker, rate limits and quotas (off only to measure their cost)",
+        ),
+    ] = True,
     log_level: LogOpt = "INFO",
 ) -> None:
     """Run one API instance."""
@@ -214,6 +310,12 @@ def server(
         recovery_after=recovery_after,
         recovery_interval=recovery_interval,
         orphan_grace=orphan_grace,
+        admission=admission,
+        queue_limit=queue_limit,
+        queue_timeout=queue_timeout,
+        breaker_threshold=breaker_threshold,
+        breaker_window=breaker_window,
+        breaker_open=breaker_open,
         faults=active_faults,
     )
     make_server(settings, own_signals=True).run()
@@ -242,10 +344,15 @@ def worker(
     log_level: LogOpt = "INFO",
 ) -> None:
     """Run a worker: dial the control plane and host sandboxes."""
+    from sandgate import faults
     from sandgate.config import WorkerSettings
     from sandgate.worker.main import run_worker
 
     logs.setup(log_level)
+    try:
+        active_faults = faults.from_environment()
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="SANDGATE_FAULTS") from None
     if runtime not in ("bwrap", "process"):
         raise typer.BadParameter("use bwrap or process", param_hint="--runtime")
     settings = WorkerSettings(
@@ -256,6 +363,7 @@ def worker(
         runtime=runtime,
         state_dir=state_dir,
         allow_network=allow_network,
+        faults=active_faults,
     )
     with _runner() as runner:
         runner.run(run_worker(settings))
@@ -305,6 +413,7 @@ def _add_client_commands() -> None:
     from sandgate.cli import cp, sandbox, shell
 
     app.add_typer(sandbox.app, name="sandbox")
+    app.add_typer(__import__("sandgate.cli.exec_jobs", fromlist=["app"]).app, name="exec-job")
     app.command("cp")(cp.cp)
     app.command("shell")(shell.shell)
 

@@ -6,6 +6,7 @@ from sandgate.client import Sandgate
 with Sandgate() as sg:  # $SANDGATE_URL / $SANDGATE_API_KEY, else a local `sandgate up`
     box = sg.sandboxes.create(metadata={"agent": "demo"})
     print(box.run("print(6*7)", language="python").stdout)
+    job = box.wait_exec_job(box.submit_exec_job("make test").id)  # run once, in the background
     box.files.write("data.csv", Path("data.csv"))
     box.delete()
 ```
@@ -37,6 +38,7 @@ from sandgate.client.errors import (
     APITimeoutError,
     AuthenticationError,
     ConflictError,
+    ExecJobTimeoutError,
     GatewayTimeoutError,
     InvalidRequestError,
     NotFoundError,
@@ -48,6 +50,8 @@ from sandgate.client.errors import (
     UnavailableError,
 )
 from sandgate.client.models import (
+    ExecJob,
+    ExecJobState,
     ExecResult,
     FileEntry,
     OutputEvent,
@@ -70,6 +74,9 @@ __all__ = (
     "AsyncTerminal",
     "AuthenticationError",
     "ConflictError",
+    "ExecJob",
+    "ExecJobState",
+    "ExecJobTimeoutError",
     "ExecResult",
     "FileEntry",
     "Files",

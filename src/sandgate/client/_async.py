@@ -36,6 +36,8 @@ from sandgate.client._base import (
     CHUNK_BYTES,
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_TIMEOUT,
+    EXEC_JOB_FIRST_POLL,
+    EXEC_JOB_POLL,
     KEEPALIVE_EXPIRY,
     NOT_SENT,
     STDIN_CHUNK_BYTES,
@@ -46,9 +48,13 @@ from sandgate.client._base import (
     Upload,
     UploadData,
     auth_headers,
+    check_poll,
     connection_error,
     error_from_response,
     event_offset,
+    exec_job_answer,
+    exec_job_body,
+    exec_job_timeout,
     is_local_path,
     make_timeout,
     output_event,
@@ -68,6 +74,7 @@ from sandgate.client._sync import (
 )
 from sandgate.client.errors import APIConnectionError, SandgateError
 from sandgate.client.models import (
+    ExecJob,
     ExecResult,
     FileEntry,
     OutputEvent,
@@ -207,6 +214,19 @@ class AsyncSandgate:
     def url(self) -> str:
         return self._api.url
 
+    async def get_exec_job(self, job_id: str) -> ExecJob:
+        return await _AsyncExecJobs(self._api).get(job_id)
+
+    async def wait_exec_job(
+        self,
+        job_id: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (sync twin's shape)
+        poll: float = EXEC_JOB_POLL,
+    ) -> ExecJob:
+        """As `Sandgate.wait_exec_job`."""
+        return await _AsyncExecJobs(self._api).wait(job_id, timeout=timeout, poll=poll)
+
     async def aclose(self) -> None:
         await self._api.aclose()
 
@@ -220,6 +240,70 @@ class AsyncSandgate:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+class _AsyncExecJobs:
+    """As `_ExecJobs` of the sync client, with `await`."""
+
+    def __init__(self, api: _AsyncApi) -> None:
+        self._api = api
+
+    async def submit(
+        self,
+        sandbox: str,
+        command: str,
+        *,
+        timeout: float | None,  # noqa: ASYNC109 (the server kills the command after it)
+        env: Mapping[str, str] | None,
+        cwd: str | None,
+        idempotency_key: str | None,
+    ) -> ExecJob:
+        key = idempotency_key or str(uuid.uuid4())
+        response = await self._api.request(
+            "POST",
+            f"/api/v1/sandboxes/{sandbox}/exec-jobs",
+            safety=Safety.IDEMPOTENT,
+            json=exec_job_body(command, timeout, env, cwd),
+            headers={"Idempotency-Key": key},
+        )
+        return exec_job_answer(response)
+
+    async def get(self, job_id: str) -> ExecJob:
+        path = f"/api/v1/exec-jobs/{job_id}"
+        return ExecJob.from_json(await self._api.json("GET", path, safety=Safety.IDEMPOTENT))
+
+    async def list(self, sandbox: str, limit: int) -> builtins.list[ExecJob]:
+        answer = await self._api.json(
+            "GET",
+            f"/api/v1/sandboxes/{sandbox}/exec-jobs",
+            safety=Safety.IDEMPOTENT,
+            params={"limit": limit},
+        )
+        return [ExecJob.from_json(body) for body in answer["exec_jobs"]]
+
+    async def wait(
+        self,
+        job_id: str,
+        *,
+        timeout: float | None,  # noqa: ASYNC109 (sync twin's shape)
+        poll: float,
+    ) -> ExecJob:
+        check_poll(poll)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = min(EXEC_JOB_FIRST_POLL, poll)
+        while True:
+            job = await self.get(job_id)
+            if job.done:
+                return job
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    assert timeout is not None
+                    raise exec_job_timeout(job, timeout)
+                await anyio.sleep(min(pause, left))
+            else:
+                await anyio.sleep(pause)
+            pause = min(pause * 2, poll)
 
 
 class AsyncSandboxes:
@@ -353,6 +437,35 @@ class AsyncSandbox(SandboxInfo):
             timeouts=self._api.stream_timeout(read),
         )
         return ExecResult.from_json(answer)
+
+    async def submit_exec_job(
+        self,
+        command: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (the server kills the command after it)
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> ExecJob:
+        """As `Sandbox.submit_exec_job`: one Idempotency-Key for every retry, so one run."""
+        return await _AsyncExecJobs(self._api).submit(
+            self.name, command, timeout=timeout, env=env, cwd=cwd, idempotency_key=idempotency_key
+        )
+
+    async def get_exec_job(self, job_id: str) -> ExecJob:
+        return await _AsyncExecJobs(self._api).get(job_id)
+
+    async def list_exec_jobs(self, limit: int = 100) -> builtins.list[ExecJob]:
+        return await _AsyncExecJobs(self._api).list(self.name, limit)
+
+    async def wait_exec_job(
+        self,
+        job_id: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (sync twin's shape)
+        poll: float = EXEC_JOB_POLL,
+    ) -> ExecJob:
+        return await _AsyncExecJobs(self._api).wait(job_id, timeout=timeout, poll=poll)
 
     async def pty_token(self, ttl: float | None = None) -> PtyToken:
         body = {"ttl": ttl} if ttl is not None else None

@@ -25,10 +25,11 @@ import httpx
 from sandgate.client.errors import (
     APIConnectionError,
     APITimeoutError,
+    ExecJobTimeoutError,
     SandgateError,
     error_class,
 )
-from sandgate.client.models import OutputEvent
+from sandgate.client.models import ExecJob, OutputEvent
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 KEY_FILE = Path(".sandgate") / "api-key"  # where `sandgate up` saves its key, from the cwd
@@ -37,6 +38,8 @@ STDIN_CHUNK_BYTES = 1 << 20  # one stdin POST (the server takes at most 8 MiB)
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_EXEC_TIMEOUT = 30.0  # the server's default for `execute` without a timeout
 KEEPALIVE_EXPIRY = 4.0  # below uvicorn's 5 s keep-alive, so a pooled socket is never stale
+EXEC_JOB_POLL = 0.5  # `wait_exec_job`: the longest pause between two looks at the job
+EXEC_JOB_FIRST_POLL = 0.05  # ... and the first one, doubling up to `poll`
 
 Progress: TypeAlias = Callable[[int, int | None], None]
 """Called as bytes move: (bytes so far, total bytes or None when unknown)."""
@@ -187,6 +190,40 @@ def connection_error(exc: Exception, url: str) -> APIConnectionError:
         )
     detail = str(exc) or type(exc).__name__
     return APIConnectionError(f"cannot reach {where}: {detail}", code="connection_error")
+
+
+# ------------------------------------------------------------------------------ exec jobs
+
+
+def exec_job_body(
+    command: str, timeout: float | None, env: Mapping[str, str] | None, cwd: str | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"command": command}
+    if timeout is not None:
+        body["timeout"] = timeout
+    if env:
+        body["env"] = dict(env)
+    if cwd is not None:
+        body["cwd"] = cwd
+    return body
+
+
+def exec_job_answer(response: httpx.Response) -> ExecJob:
+    """The job of a submit's answer; `replayed` from its `Idempotent-Replayed` header."""
+    replayed = response.headers.get("idempotent-replayed", "").lower() == "true"
+    return ExecJob.from_json(response.json(), replayed=replayed)
+
+
+def check_poll(poll: float) -> None:
+    if not poll > 0:
+        raise ValueError(f"poll must be a positive number of seconds, not {poll!r}")
+
+
+def exec_job_timeout(job: ExecJob, timeout: float) -> ExecJobTimeoutError:
+    return ExecJobTimeoutError(
+        f"exec job {job.id} is still {job.state} after {timeout:g} s (it goes on on the server)",
+        job=job,
+    )
 
 
 # ------------------------------------------------------------------------------ SSE

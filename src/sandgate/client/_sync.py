@@ -22,6 +22,8 @@ from sandgate.client._base import (
     CHUNK_BYTES,
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_TIMEOUT,
+    EXEC_JOB_FIRST_POLL,
+    EXEC_JOB_POLL,
     KEEPALIVE_EXPIRY,
     NOT_SENT,
     STDIN_CHUNK_BYTES,
@@ -32,9 +34,13 @@ from sandgate.client._base import (
     Upload,
     UploadData,
     auth_headers,
+    check_poll,
     connection_error,
     error_from_response,
     event_offset,
+    exec_job_answer,
+    exec_job_body,
+    exec_job_timeout,
     is_local_path,
     make_timeout,
     output_event,
@@ -45,6 +51,7 @@ from sandgate.client._base import (
 )
 from sandgate.client.errors import APIConnectionError, SandgateError
 from sandgate.client.models import (
+    ExecJob,
     ExecResult,
     FileEntry,
     OutputEvent,
@@ -181,6 +188,17 @@ class Sandgate:
     def url(self) -> str:
         return self._api.url
 
+    def get_exec_job(self, job_id: str) -> ExecJob:
+        """An exec job by id, whatever its sandbox (see `Sandbox.submit_exec_job`)."""
+        return _ExecJobs(self._api).get(job_id)
+
+    def wait_exec_job(
+        self, job_id: str, *, timeout: float | None = None, poll: float = EXEC_JOB_POLL
+    ) -> ExecJob:
+        """Poll an exec job until it succeeded or failed; `ExecJobTimeoutError` after `timeout`
+        seconds (None: until it ends, which the server's own job timeout bounds)."""
+        return _ExecJobs(self._api).wait(job_id, timeout=timeout, poll=poll)
+
     def close(self) -> None:
         self._api.close()
 
@@ -229,6 +247,64 @@ def _list_params(
     for key, value in (metadata or {}).items():
         params[f"metadata.{key}"] = value
     return params
+
+
+class _ExecJobs:
+    """The exec-job calls, shared by `Sandgate` and `Sandbox`."""
+
+    def __init__(self, api: _Api) -> None:
+        self._api = api
+
+    def submit(
+        self,
+        sandbox: str,
+        command: str,
+        *,
+        timeout: float | None,
+        env: Mapping[str, str] | None,
+        cwd: str | None,
+        idempotency_key: str | None,
+    ) -> ExecJob:
+        key = idempotency_key or str(uuid.uuid4())
+        response = self._api.request(
+            "POST",
+            f"/api/v1/sandboxes/{sandbox}/exec-jobs",
+            safety=Safety.IDEMPOTENT,
+            json=exec_job_body(command, timeout, env, cwd),
+            headers={"Idempotency-Key": key},
+        )
+        return exec_job_answer(response)
+
+    def get(self, job_id: str) -> ExecJob:
+        answer = self._api.json("GET", f"/api/v1/exec-jobs/{job_id}", safety=Safety.IDEMPOTENT)
+        return ExecJob.from_json(answer)
+
+    def list(self, sandbox: str, limit: int) -> builtins.list[ExecJob]:
+        answer = self._api.json(
+            "GET",
+            f"/api/v1/sandboxes/{sandbox}/exec-jobs",
+            safety=Safety.IDEMPOTENT,
+            params={"limit": limit},
+        )
+        return [ExecJob.from_json(body) for body in answer["exec_jobs"]]
+
+    def wait(self, job_id: str, *, timeout: float | None, poll: float) -> ExecJob:
+        check_poll(poll)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = min(EXEC_JOB_FIRST_POLL, poll)
+        while True:
+            job = self.get(job_id)
+            if job.done:
+                return job
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    assert timeout is not None
+                    raise exec_job_timeout(job, timeout)
+                time.sleep(min(pause, left))
+            else:
+                time.sleep(pause)
+            pause = min(pause * 2, poll)
 
 
 class Sandboxes:
@@ -369,6 +445,39 @@ class Sandbox(SandboxInfo):
             timeouts=self._api.stream_timeout(read),
         )
         return ExecResult.from_json(answer)
+
+    def submit_exec_job(
+        self,
+        command: str,
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> ExecJob:
+        """Run `command` (bash) once, in the background; the job comes back `queued`.
+
+        Every retry of this call carries one Idempotency-Key (`idempotency_key`, or a fresh
+        uuid4), so a retry after a lost answer gets the first job: the command runs once. The
+        same key again with another command, timeout, env or cwd: `InvalidRequestError`
+        (`idempotency_key_reused`). `timeout`: seconds it may run (server default 30)."""
+        return _ExecJobs(self._api).submit(
+            self.name, command, timeout=timeout, env=env, cwd=cwd, idempotency_key=idempotency_key
+        )
+
+    def get_exec_job(self, job_id: str) -> ExecJob:
+        """An exec job by id (as `Sandgate.get_exec_job`)."""
+        return _ExecJobs(self._api).get(job_id)
+
+    def list_exec_jobs(self, limit: int = 100) -> builtins.list[ExecJob]:
+        """This sandbox's exec jobs, newest first, at most `limit` (1-1000)."""
+        return _ExecJobs(self._api).list(self.name, limit)
+
+    def wait_exec_job(
+        self, job_id: str, *, timeout: float | None = None, poll: float = EXEC_JOB_POLL
+    ) -> ExecJob:
+        """As `Sandgate.wait_exec_job`: poll until it succeeded or failed."""
+        return _ExecJobs(self._api).wait(job_id, timeout=timeout, poll=poll)
 
     def pty_token(self, ttl: float | None = None) -> PtyToken:
         """A short-lived token that opens a terminal on this sandbox (`?token=`), for browsers."""

@@ -3,6 +3,7 @@
 SandgateError                      status (None when no answer came), code, message
 ├── APIConnectionError             no answer: refused, reset, dropped mid-answer (after retries)
 │   └── APITimeoutError            the server did not answer within the client's timeout
+├── ExecJobTimeoutError            `wait_exec_job` gave up (also a TimeoutError); carries job
 ├── InvalidRequestError            400, 405, 422: the request cannot be served as written
 │   └── PayloadTooLargeError       413
 ├── AuthenticationError            401: no key, unknown key, or a worker token
@@ -19,6 +20,11 @@ client never imports it.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sandgate.client.models import ExecJob
 
 
 class SandgateError(Exception):
@@ -88,6 +94,15 @@ class UnavailableError(ServerError):
 
 class GatewayTimeoutError(ServerError):
     pass
+
+
+class ExecJobTimeoutError(SandgateError, TimeoutError):
+    """`wait_exec_job` waited its `timeout` and the job had not finished; `job` is the job as
+    last seen (queued or running). Nothing is cancelled: the job still runs on the server."""
+
+    def __init__(self, message: str, *, job: ExecJob) -> None:
+        super().__init__(message, code="wait_timeout")
+        self.job = job
 
 
 def error_class(status: int) -> type[SandgateError]:

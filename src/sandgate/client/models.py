@@ -79,6 +79,68 @@ class ExecResult:
         )
 
 
+ExecJobState = Literal["queued", "running", "succeeded", "failed"]
+EXEC_JOB_DONE: tuple[ExecJobState, ...] = ("succeeded", "failed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecJob:
+    """An exec job as the server described it: a command run once, in the background.
+
+    `state` goes queued -> running -> succeeded (exit code 0) or failed (a non-zero exit code,
+    a timeout (exit code 124), or the sandbox, its worker or the instance running it failing:
+    `error` says which, and `exit_code` may then be None). Output is UTF-8 with invalid bytes
+    replaced, each stream cut at 1 MiB (`*_truncated`). `replayed` is True when `submit_exec_job`
+    was answered with a job an earlier request with the same Idempotency-Key had made.
+    """
+
+    id: str
+    sandbox: str
+    state: ExecJobState
+    command: str
+    timeout: float
+    exit_code: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    error: str | None = None
+    created_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    replayed: bool = False
+
+    @property
+    def done(self) -> bool:
+        """It finished (succeeded or failed): it will not change any more."""
+        return self.state in EXEC_JOB_DONE
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "succeeded"
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any], *, replayed: bool = False) -> ExecJob:
+        code = body.get("exit_code")
+        return cls(
+            id=str(body["id"]),
+            sandbox=str(body["sandbox"]),
+            state=body["state"],
+            command=str(body.get("command", "")),
+            timeout=float(body.get("timeout") or 0.0),
+            exit_code=None if code is None else int(code),
+            stdout=str(body.get("stdout") or ""),
+            stderr=str(body.get("stderr") or ""),
+            stdout_truncated=bool(body.get("stdout_truncated", False)),
+            stderr_truncated=bool(body.get("stderr_truncated", False)),
+            error=body.get("error"),
+            created_at=_time(body.get("created_at")),
+            started_at=_time(body.get("started_at")),
+            finished_at=_time(body.get("finished_at")),
+            replayed=replayed,
+        )
+
+
 FileType = Literal["file", "dir", "symlink", "other"]
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandgate.config import ServerSettings
+from sandgate.control.admission import Admission
 from sandgate.control.replies import ExecReply, parse
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.workers import utcnow
@@ -70,6 +71,7 @@ class ExecJobService:
         state: ServerLocalState,
         sandboxes: SandboxService,
         settings: ServerSettings,
+        admission: Admission,
         *,
         node_url: str,
     ) -> None:
@@ -77,6 +79,7 @@ class ExecJobService:
         self.state = state
         self.sandboxes = sandboxes
         self.settings = settings
+        self.admission = admission
         self.node_url = node_url
 
     # -- accept ------------------------------------------------------------------------------
@@ -116,8 +119,12 @@ class ExecJobService:
             fingerprint=fingerprint,
             claimed_by=self.node_url,
         )
+
+        async def insert(max_active: int | None) -> None:
+            await self.store.insert_exec_job(job, max_active=max_active)
+
         try:
-            await self.store.insert_exec_job(job)
+            await self.admission.within_quota(tenant, insert, exec_jobs=True)
         except IdempotencyConflictError:
             assert digest is not None and fingerprint is not None
             winner = await self.store.find_exec_job_by_digest(tenant, digest)

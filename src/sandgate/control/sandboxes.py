@@ -18,7 +18,8 @@ from typing import Any
 
 from sandgate.agent.frames import Header
 from sandgate.config import ServerSettings
-from sandgate.control.workers import WorkerRegistry, utcnow
+from sandgate.control.admission import Admission, Disconnected
+from sandgate.control.workers import Placement, WorkerRegistry, utcnow
 from sandgate.core import idempotency
 from sandgate.core.names import new_sandbox_name
 from sandgate.errors import (
@@ -27,6 +28,7 @@ from sandgate.errors import (
     IdempotencyMismatchError,
     InvalidRequestError,
     NotFoundError,
+    SandboxTimeoutError,
     SandgateError,
     TunnelUnavailableError,
     UnavailableError,
@@ -76,18 +78,26 @@ class SandboxService:
         state: ServerLocalState,
         workers: WorkerRegistry,
         settings: ServerSettings,
+        admission: Admission,
     ) -> None:
         self.store = store
         self.state = state
         self.workers = workers
         self.settings = settings
+        self.admission = admission
 
     # -- create ----------------------------------------------------------------------------
     async def create(
-        self, tenant: TenantId, request: CreateRequest, idempotency_key: str | None
+        self,
+        tenant: TenantId,
+        request: CreateRequest,
+        idempotency_key: str | None,
+        disconnected: Disconnected | None = None,
     ) -> CreateResult:
+        """`disconnected` tells a create waiting in the admission queue that its client left."""
         if idempotency_key is None:
-            return CreateResult(await self._create(tenant, request, None), replayed=False)
+            sandbox = await self._create(tenant, request, None, disconnected)
+            return CreateResult(sandbox, replayed=False)
         problem = idempotency.validate_key(idempotency_key)
         if problem is not None:
             raise InvalidRequestError(problem, code="invalid_idempotency_key")
@@ -104,7 +114,7 @@ class SandboxService:
         future: asyncio.Future[Sandbox] = asyncio.get_running_loop().create_future()
         self.state.inflight_creates[slot] = future
         try:
-            result = await self._create_once(tenant, request, digest, fingerprint)
+            result = await self._create_once(tenant, request, digest, fingerprint, disconnected)
         except BaseException as exc:
             failure = (
                 exc if isinstance(exc, SandgateError) else UnavailableError("create interrupted")
@@ -118,14 +128,20 @@ class SandboxService:
         return result
 
     async def _create_once(
-        self, tenant: TenantId, request: CreateRequest, digest: str, fingerprint: str
+        self,
+        tenant: TenantId,
+        request: CreateRequest,
+        digest: str,
+        fingerprint: str,
+        disconnected: Disconnected | None,
     ) -> CreateResult:
         existing = await self._lookup(tenant, digest)
         if existing is not None:
             return await self._replay_record(existing, fingerprint)
         claim = IdemClaim(digest=digest, fingerprint=fingerprint)
         try:
-            return CreateResult(await self._create(tenant, request, claim), replayed=False)
+            sandbox = await self._create(tenant, request, claim, disconnected)
+            return CreateResult(sandbox, replayed=False)
         except _LostRace as race:  # another instance inserted the same key first
             return await self._replay_record(race.record, fingerprint)
 
@@ -166,11 +182,48 @@ class SandboxService:
             await asyncio.sleep(0.05)  # the first create is still in flight on another instance
 
     async def _create(
-        self, tenant: TenantId, request: CreateRequest, claim: IdemClaim | None
+        self,
+        tenant: TenantId,
+        request: CreateRequest,
+        claim: IdemClaim | None,
+        disconnected: Disconnected | None,
     ) -> Sandbox:
-        placement = await self.workers.pick(network=request.network)
-        now = utcnow()
         name = SandboxName(new_sandbox_name())
+
+        async def place() -> Placement:
+            return await self.workers.pick(network=request.network)
+
+        admitted = await self.admission.admit_create(tenant, name, place, disconnected)
+        try:
+            sandbox, job = await self._accept(tenant, request, claim, name, admitted.value)
+        except BaseException:
+            if admitted.trial is not None:
+                await asyncio.shield(self.admission.trial_outcome(name, success=False))
+            raise
+        finally:
+            await asyncio.shield(self.admission.settled(admitted))
+        try:
+            running = await self._deliver(sandbox, job)
+        except SandboxTimeoutError:
+            raise  # counted where it timed out, which re-opened a half-open breaker
+        except BaseException:
+            if admitted.trial is not None:
+                await asyncio.shield(self.admission.trial_outcome(name, success=False))
+            raise
+        if admitted.trial is not None:
+            await self.admission.trial_outcome(name, success=True)
+        return running
+
+    async def _accept(
+        self,
+        tenant: TenantId,
+        request: CreateRequest,
+        claim: IdemClaim | None,
+        name: SandboxName,
+        placement: Placement,
+    ) -> tuple[Sandbox, Job]:
+        """Commit the sandbox, its create job and its key (the tenant's quota checked)."""
+        now = utcnow()
         metadata = dict(request.metadata)
         if claim is not None:
             metadata["idem"] = idempotency.short_digest(claim.digest)
@@ -212,8 +265,12 @@ class SandboxService:
                 sandbox_name=name,
                 created_at=now,
             )
+
+        async def insert(max_live: int | None) -> None:
+            await self.store.insert_sandbox(sandbox, job, record, max_live=max_live)
+
         try:
-            await self.store.insert_sandbox(sandbox, job, record)
+            await self.admission.within_quota(tenant, insert, exec_jobs=False)
         except IdempotencyConflictError:
             assert claim is not None
             winner = await self.store.find_idempotency(tenant, claim.digest)
@@ -231,7 +288,7 @@ class SandboxService:
                 code="delivery_skipped",
                 retry_after=5.0,
             )
-        return await self._deliver(sandbox, job)
+        return sandbox, job
 
     async def _deliver(self, sandbox: Sandbox, job: Job) -> Sandbox:
         """Push an accepted create down the worker's tunnel: ours, or the owner's instance.
@@ -291,6 +348,12 @@ class SandboxService:
         except BaseException as exc:
             reason = exc.message if isinstance(exc, SandgateError) else f"{type(exc).__name__}"
             await asyncio.shield(self._start_failed(sandbox, job, reason))
+            if isinstance(exc, SandboxTimeoutError):
+                await asyncio.shield(self.admission.scheduling_timeout(sandbox, reason))
+                raise SandboxTimeoutError(
+                    f"sandbox {sandbox.name} was not ready within the start timeout "
+                    f"({self.settings.start_timeout:g} s): {reason}; retry later"
+                ) from exc
             if isinstance(exc, InvalidRequestError):
                 raise
             if not isinstance(exc, Exception):

@@ -10,6 +10,7 @@ from typing import Any
 from sandgate.agent.frames import Header
 from sandgate.control.peers import PeerClient
 from sandgate.errors import (
+    AtCapacityError,
     AuthError,
     NetworkUnavailableError,
     NoCapacityError,
@@ -234,5 +235,5 @@ class WorkerRegistry:
                 )
             if not connected:
                 raise NoCapacityError("no worker is connected", retry_after=5.0)
-            raise NoCapacityError("every connected worker is at capacity", retry_after=5.0)
+            raise AtCapacityError("every connected worker is at capacity", retry_after=5.0)
         return best[1]

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, NewType, Protocol
 
+from sandgate.core.breaker import BreakerPolicy, BreakerRecord
+
 TenantId = NewType("TenantId", str)
 SandboxName = NewType("SandboxName", str)
 WorkerName = NewType("WorkerName", str)
@@ -150,8 +152,15 @@ class Store(Protocol):
 
     # create: one transaction writes the sandbox, its create job and the idempotency record.
     # Raises IdempotencyConflictError if (tenant, digest) already exists (nothing is written).
+    # With `max_live`, the tenant's live sandboxes are counted under its limits row's lock
+    # first and QuotaConflictError is raised (nothing written) when they already reach it.
     async def insert_sandbox(
-        self, sandbox: Sandbox, job: Job, idempotency: IdempotencyRecord | None
+        self,
+        sandbox: Sandbox,
+        job: Job,
+        idempotency: IdempotencyRecord | None,
+        *,
+        max_live: int | None = None,
     ) -> None: ...
     async def find_idempotency(
         self, tenant_id: TenantId, digest: str
@@ -218,7 +227,8 @@ class Store(Protocol):
     # exec jobs. Insert raises IdempotencyConflictError if (tenant, digest) exists (a NULL
     # digest never conflicts). State moves are conditional: queued -> running (start), running
     # -> succeeded/failed (finish); each returns whether it applied. A job is never re-run.
-    async def insert_exec_job(self, job: ExecJob) -> None: ...
+    # With `max_active`, as insert_sandbox's `max_live` for queued + running exec jobs.
+    async def insert_exec_job(self, job: ExecJob, *, max_active: int | None = None) -> None: ...
     async def get_exec_job(self, tenant_id: TenantId, job_id: ExecJobId) -> ExecJob | None: ...
     async def list_exec_jobs(
         self, tenant_id: TenantId, sandbox_name: SandboxName, limit: int
@@ -236,6 +246,72 @@ class Store(Protocol):
 
     # instances: each API instance renews its heartbeat on every recovery tick
     async def heartbeat_instance(self, node_url: str, now: datetime) -> None: ...
+
+    # tenant limits (set by an operator) and the rate limit's token bucket
+    async def set_tenant_limits(self, limits: TenantLimits, now: datetime) -> None: ...
+    async def get_tenant_limits(self, tenant_id: TenantId) -> TenantLimits | None: ...
+    # take one token (refilled at `rps` up to `burst` since the last take, `now` in epoch
+    # seconds); returns 0.0 when taken, else the seconds until one is there
+    async def take_rate_token(
+        self, tenant_id: TenantId, rps: float, burst: int, now: float
+    ) -> float: ...
+
+    # admission: one read for the create path, the FIFO create queue (tickets are leases),
+    # and the scheduling breaker (transitions computed by sandgate.core.breaker)
+    async def admission_snapshot(self, now: datetime) -> AdmissionSnapshot: ...
+    # a ticket id, or None when `limit` live tickets are already queued (checked and taken
+    # under one lock, so N instances together never queue more than `limit`)
+    async def enqueue_create(
+        self, tenant_id: TenantId, node_url: str, now: datetime, expires_at: datetime, limit: int
+    ) -> int | None: ...
+    # live tickets ahead of this one, or None when this ticket is gone (its lease ran out)
+    async def queue_position(self, ticket: int, now: datetime) -> int | None: ...
+    async def renew_ticket(self, ticket: int, expires_at: datetime) -> bool: ...
+    async def leave_queue(self, ticket: int) -> None: ...
+    async def record_scheduling_timeout(
+        self, event: SchedulingTimeout, policy: BreakerPolicy
+    ) -> BreakerRecord: ...
+    async def list_scheduling_timeouts(
+        self, since: datetime, limit: int
+    ) -> list[SchedulingTimeout]: ...  # newest first
+    # open (past open_until) or half-open with a trial older than `stale_before` -> half-open
+    # with this trial; exactly one caller wins
+    async def claim_breaker_trial(
+        self, trial: str, now: datetime, stale_before: datetime
+    ) -> bool: ...
+    # the trial's outcome: success closes the breaker; otherwise it stays open, due for a new
+    # trial at once. Applies only while `trial` is still the breaker's trial.
+    async def conclude_breaker_trial(self, trial: str, success: bool, now: datetime) -> bool: ...
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """What an operator allows one tenant; None: no limit of that kind."""
+
+    tenant_id: TenantId
+    rps: float | None = None  # requests per second, refilled continuously...
+    burst: int | None = None  # ...into a bucket this deep (default: max(1, rps))
+    max_sandboxes: int | None = None  # live (pending + running) at once
+    max_exec_jobs: int | None = None  # queued + running at once
+
+    @property
+    def bucket(self) -> int:
+        return self.burst if self.burst is not None else max(1, round(self.rps or 1))
+
+
+@dataclass(frozen=True)
+class SchedulingTimeout:
+    at: datetime
+    sandbox_name: SandboxName
+    tenant_id: TenantId
+    node_url: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class AdmissionSnapshot:
+    breaker: BreakerRecord
+    queued: int  # live tickets in the create queue
 
 
 ORPHANED_EXEC_JOB = "the instance running it stopped; it was not re-run"

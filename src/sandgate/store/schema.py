@@ -220,16 +220,103 @@ instances = Table(
     PrimaryKeyConstraint("node_url", name="pk_instances"),
 )
 
+# --- admission: counted here, once for the whole deployment (sandgate.control.admission)
+
+# Limits an operator set for a tenant (NULL: no limit). `guard` is bumped as the first
+# statement of a create or exec-job transaction that checks a quota: the row lock serializes
+# those checks across instances (and takes SQLite's write lock first).
+tenant_limits = Table(
+    "tenant_limits",
+    metadata,
+    Column("tenant_id", Text, nullable=False),
+    Column("rps", Float, nullable=True),
+    Column("burst", Integer, nullable=True),
+    Column("max_sandboxes", Integer, nullable=True),
+    Column("max_exec_jobs", Integer, nullable=True),
+    Column("guard", Integer, nullable=False, server_default=text("0")),
+    Column("updated_at", UTCDateTime, nullable=False),
+    PrimaryKeyConstraint("tenant_id", name="pk_tenant_limits"),
+)
+
+# A token bucket per rate-limited tenant, refilled inside the one UPDATE that takes a token.
+# `refilled_at` is seconds since the epoch (arithmetic stays plain on both backends).
+rate_buckets = Table(
+    "rate_buckets",
+    metadata,
+    Column("tenant_id", Text, nullable=False),
+    Column("tokens", Float, nullable=False),
+    Column("refilled_at", Float, nullable=False),
+    PrimaryKeyConstraint("tenant_id", name="pk_rate_buckets"),
+)
+
+# Creates waiting for worker capacity, FIFO by id. A ticket is a lease its waiting request
+# renews; one whose instance died expires and stops counting.
+admission_tickets = Table(
+    "admission_tickets",
+    metadata,
+    Column("id", Integer, nullable=False, autoincrement=True),
+    Column("tenant_id", Text, nullable=False),
+    Column("node_url", Text, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("expires_at", UTCDateTime, nullable=False),
+    PrimaryKeyConstraint("id", name="pk_admission_tickets"),
+    Index("ix_admission_tickets_expires_at", "expires_at"),
+)
+
+# Rows whose lock serializes a check-and-take (first statement of its transaction).
+admission_locks = Table(
+    "admission_locks",
+    metadata,
+    Column("name", Text, nullable=False),
+    Column("touched", Integer, nullable=False, server_default=text("0")),
+    PrimaryKeyConstraint("name", name="pk_admission_locks"),
+)
+
+# The scheduling breaker (sandgate.core.breaker); its row is its lock.
+breakers = Table(
+    "breakers",
+    metadata,
+    Column("name", Text, nullable=False),
+    Column("state", Text, nullable=False),
+    Column("reason", Text, nullable=True),
+    Column("opened_at", UTCDateTime, nullable=True),
+    Column("open_until", UTCDateTime, nullable=True),
+    Column("trial", Text, nullable=True),
+    Column("trial_at", UTCDateTime, nullable=True),
+    Column("closed_at", UTCDateTime, nullable=True),
+    Column("updated_at", UTCDateTime, nullable=False),
+    PrimaryKeyConstraint("name", name="pk_breakers"),
+)
+
+scheduling_timeouts = Table(
+    "scheduling_timeouts",
+    metadata,
+    Column("id", Integer, nullable=False, autoincrement=True),
+    Column("at", UTCDateTime, nullable=False),
+    Column("sandbox_name", Text, nullable=False),
+    Column("tenant_id", Text, nullable=False),
+    Column("node_url", Text, nullable=False),
+    Column("reason", Text, nullable=False),
+    PrimaryKeyConstraint("id", name="pk_scheduling_timeouts"),
+    Index("ix_scheduling_timeouts_at", "at"),
+)
+
 __all__ = (
     "NAMING_CONVENTION",
     "UTCDateTime",
+    "admission_locks",
+    "admission_tickets",
     "api_keys",
+    "breakers",
     "exec_jobs",
     "idempotency_keys",
     "instances",
     "jobs",
     "metadata",
+    "rate_buckets",
     "sandboxes",
+    "scheduling_timeouts",
+    "tenant_limits",
     "tenants",
     "tunnel_owners",
     "workers",

@@ -17,18 +17,16 @@ Rules this module keeps:
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
-import sqlite3
 import uuid
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from sqlalchemy import (
     ColumnElement,
@@ -46,7 +44,6 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.dialects import sqlite as sqlite_dialect
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from sandgate.errors import IdempotencyConflictError, StoreError
@@ -73,6 +70,7 @@ from sandgate.store.base import (
     WorkerName,
 )
 from sandgate.store.migrate import async_url
+from sandgate.store.ops import store_op as _store_op
 from sandgate.store.schema import (
     api_keys,
     exec_jobs,
@@ -84,16 +82,7 @@ from sandgate.store.schema import (
     tunnel_owners,
     workers,
 )
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-_DRIVER_ERRORS: Final = (
-    SQLAlchemyError,
-    OSError,  # includes ConnectionError: asyncpg raises these raw while connecting
-    TimeoutError,
-    sqlite3.Error,
-)
+from sandgate.store.sql_admission import AdmissionQueries, guard_quota
 
 _LIVE_STATES: Final[tuple[SandboxState, ...]] = ("pending", "running")
 
@@ -101,22 +90,6 @@ _LIVE_STATES: Final[tuple[SandboxState, ...]] = ("pending", "running")
 # (quotes, backslashes, empty, ...) is matched through json_each() instead, which takes
 # the key as a plain bound value.
 _SQLITE_PATH_SAFE_KEY = re.compile(r"[A-Za-z0-9_\-.:/@ ]+")
-
-
-def _store_op(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
-    """Turn driver failures into StoreError; StoreError subclasses pass through."""
-    op = fn.__name__
-
-    @functools.wraps(fn)
-    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return await fn(*args, **kwargs)
-        except StoreError:
-            raise
-        except _DRIVER_ERRORS as exc:
-            raise StoreError(f"the store failed ({op})") from exc
-
-    return wrapper
 
 
 def _dumps(value: Any) -> str:
@@ -517,7 +490,7 @@ def _sandbox_matches(sb: Sandbox, tenant_id: TenantId, where: SandboxFilter) -> 
 # ----------------------------------------------------------------------------- store
 
 
-class SqlStore:
+class SqlStore(AdmissionQueries):
     """The Store Protocol on one SQLAlchemy async engine (SQLite or PostgreSQL)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
@@ -626,7 +599,12 @@ class SqlStore:
 
     @_store_op
     async def insert_sandbox(
-        self, sandbox: Sandbox, job: Job, idempotency: IdempotencyRecord | None
+        self,
+        sandbox: Sandbox,
+        job: Job,
+        idempotency: IdempotencyRecord | None,
+        *,
+        max_live: int | None = None,
     ) -> None:
         if job.sandbox_name != sandbox.name or (
             idempotency is not None
@@ -637,10 +615,12 @@ class SqlStore:
         ):
             raise StoreError("sandbox, job and idempotency record do not belong together")
         async with self._engine.begin() as conn:
+            if max_live is not None:  # first: the tenant's row lock orders the whole check
+                await guard_quota(conn, sandbox.tenant_id, max_live, exec_jobs_quota=False)
             if idempotency is not None:
-                # First statement of the transaction: on SQLite it takes the write lock
-                # before anything is read; on PostgreSQL a concurrent insert of the same
-                # key waits here for the other transaction and then does nothing.
+                # First statement of the transaction (after a quota's lock): on SQLite it
+                # takes the write lock before anything is read; on PostgreSQL a concurrent
+                # insert of the same key waits here for the other transaction, then does nothing.
                 result = await conn.execute(
                     self._stmts.insert_idempotency,
                     {
@@ -957,35 +937,38 @@ class SqlStore:
     # --- exec jobs
 
     @_store_op
-    async def insert_exec_job(self, job: ExecJob) -> None:
+    async def insert_exec_job(self, job: ExecJob, *, max_active: int | None = None) -> None:
         if (job.digest is None) != (job.fingerprint is None):
             raise StoreError("an exec job has both a digest and a fingerprint, or neither")
-        moved = await self._write(
-            self._stmts.insert_exec_job,
-            {
-                "id": job.id,
-                "tenant_id": job.tenant_id,
-                "sandbox_name": job.sandbox_name,
-                "digest": job.digest,
-                "fingerprint": job.fingerprint,
-                "command": job.command,
-                "timeout": job.timeout,
-                "state": job.state,
-                "exit_code": job.exit_code,
-                "stdout": job.stdout,
-                "stderr": job.stderr,
-                "stdout_truncated": job.stdout_truncated,
-                "stderr_truncated": job.stderr_truncated,
-                "error": job.error,
-                "claimed_by": job.claimed_by,
-                "created_at": job.created_at,
-                "started_at": job.started_at,
-                "finished_at": job.finished_at,
-                "updated_at": job.updated_at,
-            },
-        )
-        if moved != 1:
-            raise IdempotencyConflictError("an exec job with this Idempotency-Key exists")
+        async with self._engine.begin() as conn:
+            if max_active is not None:
+                await guard_quota(conn, job.tenant_id, max_active, exec_jobs_quota=True)
+            result = await conn.execute(
+                self._stmts.insert_exec_job,
+                {
+                    "id": job.id,
+                    "tenant_id": job.tenant_id,
+                    "sandbox_name": job.sandbox_name,
+                    "digest": job.digest,
+                    "fingerprint": job.fingerprint,
+                    "command": job.command,
+                    "timeout": job.timeout,
+                    "state": job.state,
+                    "exit_code": job.exit_code,
+                    "stdout": job.stdout,
+                    "stderr": job.stderr,
+                    "stdout_truncated": job.stdout_truncated,
+                    "stderr_truncated": job.stderr_truncated,
+                    "error": job.error,
+                    "claimed_by": job.claimed_by,
+                    "created_at": job.created_at,
+                    "started_at": job.started_at,
+                    "finished_at": job.finished_at,
+                    "updated_at": job.updated_at,
+                },
+            )
+            if result.rowcount != 1:
+                raise IdempotencyConflictError("an exec job with this Idempotency-Key exists")
 
     @_store_op
     async def get_exec_job(self, tenant_id: TenantId, job_id: ExecJobId) -> ExecJob | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from sandgate.agent.frames import Header
 from sandgate.config import WorkerSettings
+from sandgate.faults import FAULTS
 from sandgate.local_state import WorkerLocalState
 from sandgate.tunnel.client import TunnelClient
 from sandgate.tunnel.rpc import RpcChannel
@@ -134,7 +135,11 @@ async def run_worker(settings: WorkerSettings) -> None:
     features = runtime.features()
     log.info("worker.ready", extra={"worker": settings.name, "features": features})
 
-    service = WorkerService(runtime, capacity=settings.capacity, state=WorkerLocalState())
+    service = WorkerService(
+        runtime, capacity=settings.capacity, state=WorkerLocalState(), faults=settings.faults
+    )
+    for fault in sorted(settings.faults):
+        log.critical("fault.active", extra={"fault": fault, "does": FAULTS[fault]})
 
     def hello() -> dict[str, Any]:
         return {

@@ -57,10 +57,18 @@ class LiveSandbox:
 
 
 class WorkerService:
-    def __init__(self, runtime: Runtime, *, capacity: int, state: WorkerLocalState) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        capacity: int,
+        state: WorkerLocalState,
+        faults: frozenset[str] = frozenset(),
+    ) -> None:
         self.runtime = runtime
         self.capacity = capacity
         self.state = state
+        self.faults = faults
         self.notify: Notify | None = None  # set while a tunnel is up
         self._tasks: asyncio.TaskGroup | None = None
 
@@ -148,6 +156,9 @@ class WorkerService:
     async def _start(self, spec: SandboxSpec) -> LiveSandbox:
         if self._tasks is None:
             raise WorkerError("worker is shutting down")
+        if "hang-start" in self.faults:
+            log.critical("fault.hang_start", extra={"sandbox": spec.name})
+            await asyncio.Event().wait()  # never ready; cancelled when the worker stops
         running = await self.runtime.start(spec)
         try:
             link = AgentLink(spec.name, running.process)

@@ -150,8 +150,8 @@ def test_a_failed_keyed_create_can_be_retried_and_leaves_nothing(tmp_path: Path)
                 first = alpha.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "k1"})
             finally:
                 dep.worker.send_signal(signal.SIGCONT)
-            assert first.status_code == 502, first.text
-            assert "failed to start" in first.json()["error"]["message"]
+            assert first.status_code == 504, first.text  # a scheduling timeout
+            assert "not ready within the start timeout" in first.json()["error"]["message"]
             failed = alpha.get("/api/v1/sandboxes", params={"state": "error"}).json()["sandboxes"]
             assert len(failed) == 1
             orphan = failed[0]["name"]

@@ -164,6 +164,68 @@ def test_start_logs_ps(env: dict[str, str], name: str) -> None:
     assert missing.returncode == 1 and "99999" in one_error_line(missing)
 
 
+# ------------------------------------------------------------------------------ exec jobs
+
+
+def test_exec_job_submit_wait(env: dict[str, str], name: str) -> None:
+    waited = cli(env, "exec-job", "submit", name, "--wait", "--", "echo out; echo err >&2; exit 3")
+    assert (waited.returncode, waited.stdout, waited.stderr) == (3, b"out\n", b"err\n")
+    argv = cli(env, "exec-job", "submit", name, "-w", "-e", "X=y", "--cwd", "/tmp", "--",
+               "echo", "a  b", "$X")  # fmt: skip
+    assert ok(argv) == "a  b $X\n"  # several arguments are quoted, as argv
+    where = cli(env, "exec-job", "submit", name, "-w", "-e", "X=y", "--cwd", "/tmp", "--",
+                "pwd; echo $X")  # fmt: skip
+    assert ok(where) == "/tmp\ny\n"
+    slow = cli(env, "exec-job", "submit", name, "--wait", "--timeout", "0.5", "--", "sleep 5")
+    assert slow.returncode == 124 and b"timed out" in slow.stderr
+
+    missing = cli(env, "exec-job", "submit", "sbx-nothere", "--wait", "--", "true")
+    assert missing.returncode == 255  # as `sandbox exec`: the job's own codes stay apart
+    assert one_error_line(missing) == "error: sandbox sbx-nothere not found"
+    not_waiting = cli(env, "exec-job", "submit", "sbx-nothere", "--", "true")
+    assert not_waiting.returncode == 1 and "sbx-nothere" in one_error_line(not_waiting)
+    assert cli(env, "exec-job", "submit", name).returncode == 2  # usage: no command
+
+
+def test_exec_job_key_get_ls(env: dict[str, str], name: str) -> None:
+    key = f"cli-{uuid.uuid4().hex}"
+    command = "echo ran >> runs; echo hi"
+    job_id = ok(cli(env, "exec-job", "submit", name, "--key", key, "--", command)).strip()
+    assert len(job_id) == 32 and "\n" not in job_id
+    again = ok(cli(env, "exec-job", "submit", name, "--key", key, "--", command)).strip()
+    assert again == job_id
+    waited = cli(env, "exec-job", "submit", name, "-k", key, "--wait", "--", command)
+    assert (waited.returncode, waited.stdout, waited.stderr) == (0, b"hi\n", b"")
+    assert ok(cli(env, "sandbox", "exec", name, "--", "cat runs")) == "ran\n"  # ran once
+
+    reused = cli(env, "exec-job", "submit", name, "--key", key, "--", "echo other >> runs")
+    assert reused.returncode == 1 and "Idempotency-Key" in one_error_line(reused)
+    assert ok(cli(env, "sandbox", "exec", name, "--", "cat runs")) == "ran\n"
+
+    shown = ok(cli(env, "exec-job", "get", job_id))
+    fields = dict(line.split(":", 1) for line in shown.splitlines())
+    fields = {k: v.strip() for k, v in fields.items()}
+    assert (fields["id"], fields["sandbox"], fields["state"]) == (job_id, name, "succeeded")
+    assert (fields["exit code"], fields["command"], fields["error"]) == ("0", command, "-")
+    assert fields["stdout"] == "3 bytes" and fields["finished"] != "-"
+    assert ok(cli(env, "exec-job", "get", job_id, "--output")) == "hi\n"
+    missing = cli(env, "exec-job", "get", "0" * 32)
+    assert missing.returncode == 1
+    assert one_error_line(missing) == f"error: exec job {'0' * 32} not found"
+
+    failed_id = ok(cli(env, "exec-job", "submit", name, "--", "exit 7")).strip()
+    assert cli(env, "exec-job", "submit", name, "--wait", "--", "exit 5").returncode == 5
+    assert ok(cli(env, "exec-job", "ls", name, "-q")).split()[1:] == [failed_id, job_id]
+    table = ok(cli(env, "exec-job", "ls", name))
+    header, *rows = table.strip().splitlines()
+    assert header.split() == ["ID", "STATE", "EXIT", "CREATED", "FINISHED", "COMMAND"]
+    assert len(rows) == 3 and rows[0].split()[1:3] == ["failed", "5"]
+    assert rows[2].split()[:3] == [job_id, "succeeded", "0"] and rows[2].endswith(command)
+    assert ok(cli(env, "exec-job", "ls", name, "-q", "--limit", "1")).split() == [
+        rows[0].split()[0]
+    ]
+
+
 # ------------------------------------------------------------------------------ cp
 
 

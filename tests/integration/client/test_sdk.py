@@ -29,6 +29,8 @@ from sandgate.client import (
     AsyncSandgate,
     AuthenticationError,
     ConflictError,
+    ExecJob,
+    ExecJobTimeoutError,
     InvalidRequestError,
     NotFoundError,
     PermissionDeniedError,
@@ -487,6 +489,110 @@ def test_output_resumes_where_a_broken_stream_stopped(deployment: Deployment, bo
     assert len(offsets) == 3 and offsets[0] == 0 and 0 < offsets[1] <= offsets[2]
 
 
+# ------------------------------------------------------------------------------ exec jobs
+
+
+def test_exec_job_submit_wait_get_list(
+    deployment: Deployment,  # noqa: F811
+    sg: Sandgate,
+    box: Sandbox,
+) -> None:
+    job = box.submit_exec_job("pwd; echo $X; echo err >&2", env={"X": "y"}, cwd="/tmp")
+    assert isinstance(job, ExecJob) and job.id and not job.replayed
+    assert (job.sandbox, job.command, job.timeout) == (box.name, "pwd; echo $X; echo err >&2", 30)
+    assert job.state in ("queued", "running", "succeeded") and job.created_at is not None
+    done = box.wait_exec_job(job.id, timeout=30)
+    assert (done.id, done.state, done.exit_code) == (job.id, "succeeded", 0)
+    assert (done.stdout, done.stderr, done.error) == ("/tmp\ny\n", "err\n", None)
+    assert done.ok and done.done and not done.stdout_truncated and not done.stderr_truncated
+    created, started, finished = done.created_at, done.started_at, done.finished_at
+    assert created is not None and started is not None and finished is not None
+    assert created <= started <= finished
+
+    failing = box.submit_exec_job("echo bad; exit 3")
+    failed = sg.wait_exec_job(failing.id, timeout=30)  # the client finds any job by id
+    assert (failed.state, failed.exit_code, failed.stdout) == ("failed", 3, "bad\n")
+    assert failed.done and not failed.ok and failed.error
+    slow = box.wait_exec_job(box.submit_exec_job("sleep 5", timeout=0.5).id, timeout=30)
+    assert (slow.state, slow.exit_code) == ("failed", 124)
+    assert slow.error is not None and "timed out" in slow.error
+
+    sleeper = box.submit_exec_job("sleep 2; echo woke")
+    began = time.monotonic()
+    with pytest.raises(ExecJobTimeoutError) as waited:
+        box.wait_exec_job(sleeper.id, timeout=0.3, poll=0.1)
+    assert 0.3 <= time.monotonic() - began < 2
+    assert isinstance(waited.value, TimeoutError) and waited.value.status is None
+    assert waited.value.job.id == sleeper.id and waited.value.job.state in ("queued", "running")
+    assert box.wait_exec_job(sleeper.id, timeout=30).stdout == "woke\n"  # it went on
+
+    assert sg.get_exec_job(job.id) == done
+    assert box.get_exec_job(failing.id).exit_code == 3
+    listed = box.list_exec_jobs()
+    assert [j.id for j in listed] == [sleeper.id, slow.id, failing.id, job.id]  # newest first
+    assert listed[-1] == done
+    assert [j.id for j in box.list_exec_jobs(limit=2)] == [sleeper.id, slow.id]
+
+    with pytest.raises(NotFoundError) as missing:
+        sg.get_exec_job("0" * 32)
+    assert missing.value.code == "not_found"
+    with Sandgate(deployment.url, deployment.keys["beta"]) as beta:
+        with pytest.raises(NotFoundError):
+            beta.get_exec_job(job.id)  # another tenant's job does not exist for beta
+    with pytest.raises(NotFoundError):
+        replace(box, name="sbx-nothere").submit_exec_job("true")
+    with pytest.raises(ValueError):
+        box.wait_exec_job(job.id, poll=0)
+
+
+def test_exec_job_idempotency_key_runs_once(box: Sandbox) -> None:
+    key = f"job-{uuid.uuid4().hex}"
+    command = "echo ran >> /workspace/runs; echo done"
+    first = box.submit_exec_job(command, idempotency_key=key)
+    second = box.submit_exec_job(command, idempotency_key=key)
+    assert second.id == first.id and second.replayed and not first.replayed
+    finished = box.wait_exec_job(first.id, timeout=30)
+    assert (finished.state, finished.stdout) == ("succeeded", "done\n")
+    third = box.submit_exec_job(command, idempotency_key=key)  # after it finished: the result
+    assert (third.id, third.state, third.stdout, third.replayed) == (
+        first.id,
+        "succeeded",
+        "done\n",
+        True,
+    )
+    assert box.files.read("runs") == b"ran\n"  # the command ran once
+    assert [j.id for j in box.list_exec_jobs()] == [first.id]
+
+    with pytest.raises(InvalidRequestError) as reused:
+        box.submit_exec_job("echo other >> /workspace/runs", idempotency_key=key)
+    assert reused.value.status == 422 and reused.value.code == "idempotency_key_reused"
+    with pytest.raises(InvalidRequestError):
+        box.submit_exec_job(command, timeout=5, idempotency_key=key)  # another body, too
+    assert box.files.read("runs") == b"ran\n"
+    other = box.submit_exec_job(command)  # no key: a new uuid4 per call, so a new job
+    assert other.id != first.id and box.wait_exec_job(other.id, timeout=30).ok
+    assert box.files.read("runs") == b"ran\nran\n"
+
+
+def test_a_retried_exec_job_submit_runs_once(deployment: Deployment, box: Sandbox) -> None:  # noqa: F811
+    path = f"/api/v1/sandboxes/{box.name}/exec-jobs"
+    # the first two answers are lost after the server accepted the job
+    with (
+        proxy_to(deployment.url, first_n(2, "POST", "/exec-jobs")) as proxy,
+        Sandgate(proxy.url, deployment.keys["alpha"], max_retries=3) as client,
+    ):
+        through = client.sandboxes.get(box.name)
+        job = through.submit_exec_job("echo once >> /workspace/retried")
+        submits = proxy.count("POST", path)
+        done = through.wait_exec_job(job.id, timeout=30)
+    assert len(submits) == 3 and job.replayed
+    keys = {s.headers["idempotency-key"] for s in submits}
+    assert len(keys) == 1 and uuid.UUID(keys.pop()).version == 4
+    assert done.ok
+    assert box.files.read("retried") == b"once\n"
+    assert [j.id for j in box.list_exec_jobs()] == [job.id]
+
+
 # ------------------------------------------------------------------------------ terminals
 
 
@@ -732,6 +838,40 @@ def test_async_retried_create_makes_one_sandbox(deployment: Deployment) -> None:
 
     creates = asyncio.run(scenario())
     assert len(creates) == 3 and len({s.headers["idempotency-key"] for s in creates}) == 1
+
+
+def test_async_exec_jobs(deployment: Deployment) -> None:  # noqa: F811
+    async def scenario() -> None:
+        async with AsyncSandgate(deployment.url, deployment.keys["alpha"]) as client:
+            box = await client.sandboxes.create(metadata={"test": "sdk-async-jobs"})
+            try:
+                key = f"job-{uuid.uuid4().hex}"
+                command = "echo ran >> /workspace/runs; echo out; exit 2"
+                job = await box.submit_exec_job(command, env={"A": "b"}, idempotency_key=key)
+                again = await box.submit_exec_job(command, env={"A": "b"}, idempotency_key=key)
+                assert again.id == job.id and again.replayed and not job.replayed
+                done = await box.wait_exec_job(job.id, timeout=30)
+                assert (done.state, done.exit_code, done.stdout) == ("failed", 2, "out\n")
+                assert await client.get_exec_job(job.id) == done
+                assert await client.wait_exec_job(job.id) == done
+                assert (await box.get_exec_job(job.id)).id == job.id
+                assert [j.id for j in await box.list_exec_jobs(limit=5)] == [job.id]
+                assert await box.files.read("runs") == b"ran\n"
+                with pytest.raises(InvalidRequestError) as reused:
+                    await box.submit_exec_job("true", idempotency_key=key)
+                assert reused.value.code == "idempotency_key_reused"
+
+                sleeper = await box.submit_exec_job("sleep 2")
+                with pytest.raises(ExecJobTimeoutError) as waited:
+                    await client.wait_exec_job(sleeper.id, timeout=0.2, poll=0.05)
+                assert waited.value.job.state in ("queued", "running")
+                assert (await box.wait_exec_job(sleeper.id, timeout=30)).ok
+                with pytest.raises(NotFoundError):
+                    await client.get_exec_job("0" * 32)
+            finally:
+                await box.delete()
+
+    asyncio.run(scenario())
 
 
 # ------------------------------------------------------------------------------ sandgate up

@@ -61,6 +61,7 @@ async def create_sandbox(
     body: CreateSandbox,
     who: Tenant,
     svc: Svc,
+    http: Request,
     idempotency_key: Annotated[str | None, Header()] = None,
 ) -> JSONResponse:
     if body.template not in svc.settings.templates:
@@ -78,7 +79,7 @@ async def create_sandbox(
         resources=body.resources.model_dump(),
         body=body.model_dump(mode="json") | {"timeout": timeout},
     )
-    result = await svc.sandboxes.create(who, request, idempotency_key)
+    result = await svc.sandboxes.create(who, request, idempotency_key, http.is_disconnected)
     if result.replayed:
         return JSONResponse(
             sandbox_out(result.sandbox), status_code=200, headers={"Idempotent-Replayed": "true"}

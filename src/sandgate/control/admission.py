@@ -1,0 +1,328 @@
+"""Admission: what lets a request in, counted once for the whole deployment.
+
+- Per-tenant rate limit: a token bucket per tenant in the store (`take_rate_token`).
+- Per-tenant quotas: live sandboxes and active exec jobs, counted under the tenant's limits
+  row lock inside the very transaction that inserts the new one.
+- The create queue: a create that finds every worker full takes a ticket (FIFO, at most
+  `queue_limit` across all instances) and waits; only the head of the queue places.
+- The scheduling breaker: sandboxes not ready within the start timeout open it
+  (`sandgate.core.breaker` has the rules); while open creates get 503 at once; after the open
+  period exactly one trial create is let through and its outcome closes or re-opens it.
+
+Nothing here counts in memory: every number is read and taken in the store, so two instances
+enforce exactly the configured limits, not twice them. The only cache is each tenant's limits
+*configuration* (auth_cache_ttl), never what they count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+from sandgate.config import ServerSettings
+from sandgate.core import breaker
+from sandgate.core.breaker import BreakerPolicy, BreakerRecord
+from sandgate.errors import (
+    AtCapacityError,
+    LimitExceededError,
+    QuotaConflictError,
+    UnavailableError,
+)
+from sandgate.local_state import ServerLocalState
+from sandgate.store.base import Sandbox, SchedulingTimeout, Store, TenantId, TenantLimits
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+TICKET_LEASE = 15.0  # a queued create's ticket lives this long unless renewed...
+TICKET_RENEW = 4.0  # ...and its waiting request renews it this often
+HEAD_POLL = 0.1  # the head of the queue retries placement this often
+TAIL_POLL = 0.5  # the others check their position this often
+QUEUE_FULL_RETRY = 5.0
+QUOTA_RETRY = 5.0
+RECENT_TIMEOUTS = 20  # shown by GET /api/v1/admission
+
+Disconnected = Callable[[], Awaitable[bool]]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A create let in, with what it holds until it is settled."""
+
+    value: Any  # what `place` returned (the worker chosen)
+    ticket: int | None = None  # its place in the queue, left once its sandbox row exists
+    trial: str | None = None  # the sandbox whose outcome decides the half-open breaker
+
+
+class Admission:
+    def __init__(
+        self, store: Store, state: ServerLocalState, settings: ServerSettings, *, node_url: str
+    ) -> None:
+        self.store = store
+        self.state = state
+        self.settings = settings
+        self.node_url = node_url
+        self.policy = BreakerPolicy(
+            threshold=settings.breaker_threshold,
+            window=settings.breaker_window,
+            open_for=settings.breaker_open,
+            # a trial whose instance died is taken over once it could no longer be starting
+            trial_lease=settings.start_timeout + 30.0,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.admission
+
+    # -- tenant limits -------------------------------------------------------------------------
+    async def limits(self, tenant: TenantId) -> TenantLimits | None:
+        if not self.enabled:
+            return None
+        hit, limits = self.state.cached_limits(tenant, self.settings.auth_cache_ttl)
+        if not hit:
+            limits = await self.store.get_tenant_limits(tenant)
+            self.state.cache_limits(tenant, limits)
+        return limits
+
+    async def check_rate(self, tenant: TenantId) -> None:
+        """Take one request token of the tenant's bucket, or refuse with 429."""
+        limits = await self.limits(tenant)
+        if limits is None or limits.rps is None or limits.rps <= 0:
+            return
+        wait = await self.store.take_rate_token(tenant, limits.rps, limits.bucket, time.time())
+        if wait > 0:
+            raise LimitExceededError(
+                f"this tenant is limited to {limits.rps:g} requests per second (burst "
+                f"{limits.bucket}) across the deployment; retry in {wait:.2f} s",
+                limit="rps",
+                code="rate_limited",
+                retry_after=wait,
+            )
+
+    async def within_quota(
+        self, tenant: TenantId, insert: Callable[[int | None], Awaitable[T]], *, exec_jobs: bool
+    ) -> T:
+        """Run `insert(max)`, which counts under the tenant's lock; map a full quota to 429."""
+        limits = await self.limits(tenant)
+        cap = None
+        if limits is not None:
+            cap = limits.max_exec_jobs if exec_jobs else limits.max_sandboxes
+        try:
+            return await insert(cap)
+        except QuotaConflictError as exc:
+            name = "max_exec_jobs" if exec_jobs else "max_sandboxes"
+            what = "queued or running exec jobs" if exec_jobs else "live sandboxes"
+            raise LimitExceededError(
+                f"this tenant has {exc.live} {what} and its quota {name} is {cap}; wait for "
+                "one to finish (or delete one), or ask the operator to raise the quota "
+                "(sandgate tenants limit)",
+                limit=name,
+                code="quota_exceeded",
+                retry_after=QUOTA_RETRY,
+            ) from None
+
+    # -- creates -------------------------------------------------------------------------------
+    async def admit_create(
+        self,
+        tenant: TenantId,
+        sandbox_name: str,
+        place: Callable[[], Awaitable[T]],
+        disconnected: Disconnected | None = None,
+    ) -> Admitted:
+        """Let a create in through the breaker and the queue; `place` picks its worker and
+        raises AtCapacityError when every worker is full."""
+        if not self.enabled:
+            return Admitted(await place())
+        now = utcnow()
+        snapshot = await self.store.admission_snapshot(now)
+        trial = await self._through_breaker(snapshot.breaker, sandbox_name, now)
+        try:
+            if snapshot.queued == 0:
+                try:
+                    return Admitted(await place(), trial=trial)
+                except AtCapacityError:
+                    if self.settings.queue_limit <= 0:
+                        raise
+            value, ticket = await self._wait_in_queue(tenant, place, disconnected)
+            return Admitted(value, ticket=ticket, trial=trial)
+        except BaseException:
+            if trial is not None:  # the trial never got to start a sandbox: no outcome
+                await asyncio.shield(self.trial_outcome(trial, success=False))
+            raise
+
+    async def _through_breaker(
+        self, record: BreakerRecord, sandbox_name: str, now: datetime
+    ) -> str | None:
+        verdict = breaker.verdict(record, now, self.policy)
+        if verdict.admit:
+            return None
+        if verdict.try_trial:
+            stale = now - timedelta(seconds=self.policy.trial_lease)
+            if await self.store.claim_breaker_trial(sandbox_name, now, stale):
+                log.warning("breaker.trial", extra={"sandbox": sandbox_name})
+                return sandbox_name
+            raise UnavailableError(
+                breaker.refused_trial_message(record),
+                code="scheduling_breaker_open",
+                retry_after=min(self.policy.trial_lease, 5.0),
+            )
+        raise UnavailableError(
+            verdict.message, code="scheduling_breaker_open", retry_after=verdict.retry_after
+        )
+
+    async def _wait_in_queue(
+        self,
+        tenant: TenantId,
+        place: Callable[[], Awaitable[T]],
+        disconnected: Disconnected | None,
+    ) -> tuple[T, int]:
+        limit = self.settings.queue_limit
+        ticket = await self._enqueue(tenant, limit)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.queue_timeout
+        renew_at = loop.time() + TICKET_RENEW
+        try:
+            while True:
+                now = utcnow()
+                ahead = await self.store.queue_position(ticket, now)
+                if ahead is None:  # our lease ran out (this process stalled): queue again
+                    log.warning("admission.ticket_lost", extra={"ticket": ticket})
+                    ticket = await self._enqueue(tenant, limit)
+                    ahead = await self.store.queue_position(ticket, utcnow())
+                if ahead == 0:
+                    try:
+                        return await place(), ticket
+                    except AtCapacityError:
+                        pass
+                if loop.time() >= deadline:
+                    raise UnavailableError(
+                        f"no worker capacity came free within {self.settings.queue_timeout:g} s "
+                        "while this create waited in the queue; retry later",
+                        code="queue_timeout",
+                        retry_after=QUEUE_FULL_RETRY,
+                    )
+                if disconnected is not None and await disconnected():
+                    raise UnavailableError("the client left while queued", code="client_left")
+                if loop.time() >= renew_at:
+                    await self.store.renew_ticket(ticket, utcnow() + _lease())
+                    renew_at = loop.time() + TICKET_RENEW
+                await asyncio.sleep(HEAD_POLL if ahead == 0 else TAIL_POLL)
+        except BaseException:
+            await asyncio.shield(self._leave(ticket))
+            raise
+
+    async def _enqueue(self, tenant: TenantId, limit: int) -> int:
+        now = utcnow()
+        ticket = await self.store.enqueue_create(tenant, self.node_url, now, now + _lease(), limit)
+        if ticket is None:
+            raise LimitExceededError(
+                f"every worker is full and the create queue is full: {limit} creates already "
+                "wait for capacity across the deployment (queue_limit); retry later",
+                limit="queue_limit",
+                code="queue_full",
+                retry_after=QUEUE_FULL_RETRY,
+            )
+        log.info("admission.queued", extra={"ticket": ticket, "tenant": tenant})
+        return ticket
+
+    async def _leave(self, ticket: int) -> None:
+        try:
+            await self.store.leave_queue(ticket)
+        except Exception:  # the lease runs out by itself
+            log.warning("admission.leave_failed", extra={"ticket": ticket}, exc_info=True)
+
+    async def settled(self, admitted: Admitted) -> None:
+        """The admitted create's sandbox row exists (it counts against capacity now)."""
+        if admitted.ticket is not None:
+            await self._leave(admitted.ticket)
+
+    # -- the breaker's inputs --------------------------------------------------------------------
+    async def trial_outcome(self, trial: str, *, success: bool) -> None:
+        try:
+            if await self.store.conclude_breaker_trial(trial, success, utcnow()):
+                event = "breaker.closed" if success else "breaker.trial_inconclusive"
+                log.warning(event, extra={"sandbox": trial})
+        except Exception:  # the trial lease lets another create try
+            log.warning("breaker.trial_not_recorded", extra={"sandbox": trial}, exc_info=True)
+
+    async def scheduling_timeout(self, sandbox: Sandbox, reason: str) -> None:
+        """A sandbox was not ready within the start timeout: count it (deployment-wide)."""
+        if not self.enabled:
+            return
+        event = SchedulingTimeout(
+            at=utcnow(),
+            sandbox_name=sandbox.name,
+            tenant_id=sandbox.tenant_id,
+            node_url=self.node_url,
+            reason=reason,
+        )
+        try:
+            record = await self.store.record_scheduling_timeout(event, self.policy)
+        except Exception:
+            log.exception("breaker.timeout_not_recorded", extra={"sandbox": sandbox.name})
+            return
+        log.warning("sandbox.scheduling_timeout", extra={"sandbox": sandbox.name})
+        if record.state == "open" and record.opened_at == event.at:
+            log.error("breaker.opened", extra={"reason": record.reason})
+
+    # -- GET /api/v1/admission -------------------------------------------------------------------
+    async def status(self, tenant: TenantId) -> dict[str, Any]:
+        now = utcnow()
+        snapshot = await self.store.admission_snapshot(now)
+        record = snapshot.breaker
+        since = breaker.window_start(record, now, self.policy)
+        recent = await self.store.list_scheduling_timeouts(
+            now - timedelta(seconds=self.policy.window), RECENT_TIMEOUTS
+        )
+        limits = await self.limits(tenant)
+        return {
+            "enabled": self.enabled,
+            "queue": {
+                "length": snapshot.queued,
+                "limit": self.settings.queue_limit,
+                "timeout": self.settings.queue_timeout,
+            },
+            "breaker": {
+                "state": record.state,
+                "reason": record.reason,
+                "opened_at": record.opened_at,
+                "closes_at": record.open_until if record.state == "open" else None,
+                "trial_started_at": record.trial_at if record.state == "half_open" else None,
+                "threshold": self.policy.threshold,
+                "window": self.policy.window,
+                "open_for": self.policy.open_for,
+                "counted_timeouts": sum(1 for t in recent if t.at >= since),
+            },
+            "recent_timeouts": [
+                {
+                    "at": t.at,
+                    # another tenant's sandbox name is not this tenant's business
+                    "sandbox": t.sandbox_name if t.tenant_id == tenant else None,
+                    "instance": t.node_url,
+                    "reason": t.reason,
+                }
+                for t in recent
+            ],
+            "tenant_limits": None
+            if limits is None
+            else {
+                "rps": limits.rps,
+                "burst": limits.bucket if limits.rps else None,
+                "max_sandboxes": limits.max_sandboxes,
+                "max_exec_jobs": limits.max_exec_jobs,
+            },
+        }
+
+
+def _lease() -> timedelta:
+    return timedelta(seconds=TICKET_LEASE)
