@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import re
 import secrets
@@ -107,6 +108,7 @@ class Cluster:
     instances: dict[str, Instance] = field(default_factory=dict)
     worker: subprocess.Popen[bytes] | None = None
     worker_log: Path | None = None
+    extra_workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     # -- instances -------------------------------------------------------------------------
     def start_instance(
@@ -173,10 +175,23 @@ class Cluster:
         stop_process(inst.proc, sig)
 
     # -- worker ----------------------------------------------------------------------------
-    def start_worker(self, via: Instance, capacity: int = 160) -> None:
-        self.worker_log = self.base / f"worker-{WORKER}.log"
-        with open(self.worker_log, "ab") as log:
-            self.worker = subprocess.Popen(
+    def start_worker(
+        self,
+        via: Instance,
+        capacity: int = 160,
+        *,
+        name: str = WORKER,
+        token: str | None = None,
+        faults: str = "",
+    ) -> subprocess.Popen[bytes]:
+        """Start worker `name` (the default one, w1, keeps `self.worker`) dialing `via`."""
+        log_path = self.base / f"worker-{name}.log"
+        env = {k: v for k, v in os.environ.items() if k != "SANDGATE_FAULTS"}
+        env["SANDGATE_TOKEN"] = token or self.worker_token
+        if faults:
+            env["SANDGATE_FAULTS"] = faults
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
                 [
                     sys.executable,
                     "-m",
@@ -185,29 +200,34 @@ class Cluster:
                     "--server",
                     via.url,
                     "--name",
-                    WORKER,
+                    name,
                     "--runtime",
                     RUNTIME,
                     "--capacity",
                     str(capacity),
                     "--state-dir",
-                    str(self.state_dir),
+                    str(self.state_dir / name),
                 ],
-                env={**os.environ, "SANDGATE_TOKEN": self.worker_token},
+                env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self.wait_connected(via)
+        if name == WORKER:
+            self.worker, self.worker_log = proc, log_path
+        else:
+            self.extra_workers.append(proc)
+        self.wait_connected(via, name)
+        return proc
 
-    def wait_connected(self, inst: Instance, timeout: float = 30) -> None:
+    def wait_connected(self, inst: Instance, name: str = WORKER, timeout: float = 30) -> None:
         with self.client(inst) as c:
 
             def ok() -> bool:
                 workers = c.get("/api/v1/workers").json()["workers"]
-                return any(w["name"] == WORKER and w["connected"] for w in workers)
+                return any(w["name"] == name and w["connected"] for w in workers)
 
-            wait_until(ok, timeout=timeout, what=f"worker {WORKER} connected to {inst.name}")
+            wait_until(ok, timeout=timeout, what=f"worker {name} connected to {inst.name}")
 
     # -- clients and the store ---------------------------------------------------------------
     def client(self, inst: Instance | str, timeout: float = 60.0) -> httpx.Client:
@@ -269,6 +289,8 @@ class Cluster:
             if inst.proc is not None and inst.proc.poll() is None:
                 os.kill(inst.proc.pid, signal.SIGCONT)
         stop_process(self.worker, signal.SIGTERM)  # first: it destroys its sandboxes
+        for proc in self.extra_workers:
+            stop_process(proc, signal.SIGTERM)
         for name in list(self.instances):
             self.stop_instance(name)
 
@@ -292,15 +314,21 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-@pytest.fixture(scope="module")
-def cluster(pg_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """Instances A and B (healthy, racing recovery) and worker w1 dialing A."""
+@contextlib.contextmanager
+def running_cluster(
+    pg_dsn: str,
+    base: Path,
+    *,
+    extra: tuple[str, ...] = (),
+    capacity: int = 160,
+    worker_faults: str = "",
+) -> Iterator[Cluster]:
+    """Instances A and B (each with `extra` arguments) and worker w1 dialing A."""
     if RUNTIME == "bwrap" and (os.geteuid() != 0 or shutil.which("bwrap") is None):
         pytest.skip("the bwrap runtime needs root and bubblewrap")
     db = f"sandgate_e2e_{uuid.uuid4().hex[:10]}"
     admin = with_database(pg_dsn, make_url(pg_dsn).database or "postgres")
     pg(admin, f'CREATE DATABASE "{db}"')
-    base = tmp_path_factory.mktemp("cluster")
     state_dir = Path("/var/lib/sandgate-test") / f"e2e-{uuid.uuid4().hex[:10]}"
     cl: Cluster | None = None
     try:
@@ -319,9 +347,9 @@ def cluster(pg_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
             key=sandgate("keys", "create", "--db", db_url, "--tenant", "e2e"),
             worker_token=sandgate("keys", "create", "--db", db_url, "--worker", "--name", WORKER),
         )
-        a = cl.start_instance("A")
-        cl.start_instance("B")
-        cl.start_worker(a)
+        a = cl.start_instance("A", extra=extra)
+        cl.start_instance("B", extra=extra)
+        cl.start_worker(a, capacity, faults=worker_faults)
         yield cl
     finally:
         if cl is not None:
@@ -330,6 +358,13 @@ def cluster(pg_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
                 sys.stderr.write(f"\n--- {log.name} (tail) ---\n{tail(log)}\n")
         shutil.rmtree(state_dir, ignore_errors=True)
         pg(admin, f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="module")
+def cluster(pg_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Instances A and B (healthy, racing recovery) and worker w1 dialing A."""
+    with running_cluster(pg_dsn, tmp_path_factory.mktemp("cluster")) as cl:
+        yield cl
 
 
 @pytest.fixture

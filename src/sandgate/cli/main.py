@@ -410,10 +410,10 @@ def state_table() -> None:
 
 def _add_client_commands() -> None:
     """The commands that talk to a running API through the SDK (`sandgate.client`)."""
-    from sandgate.cli import cp, sandbox, shell
+    from sandgate.cli import cp, exec_jobs, sandbox, shell
 
     app.add_typer(sandbox.app, name="sandbox")
-    app.add_typer(__import__("sandgate.cli.exec_jobs", fromlist=["app"]).app, name="exec-job")
+    app.add_typer(exec_jobs.app, name="exec-job")
     app.command("cp")(cp.cp)
     app.command("shell")(shell.shell)
 

@@ -114,34 +114,35 @@ class WorkerService:
         pending = self.state.provisioning.get(spec.name)
         if pending is not None:
             log.info("sandbox.provision_repeat", extra={"sandbox": spec.name})
-            return await asyncio.shield(pending)
+            return await _outcome(spec.name, pending)
         if len(self.state.sandboxes) + len(self.state.provisioning) >= self.capacity:
             raise NoCapacityError(f"worker is at its capacity of {self.capacity} sandboxes")
-        future: asyncio.Future[LiveSandbox] = asyncio.get_running_loop().create_future()
-        self.state.provisioning[spec.name] = future
+        # the start runs as its own task, so a destroy can abandon it (see destroy)
+        start = asyncio.get_running_loop().create_task(self._start_registered(spec))
+        self.state.provisioning[spec.name] = start
         try:
-            live = await self._start(spec)
-        except BaseException as exc:
-            future.set_exception(exc if isinstance(exc, Exception) else WorkerError("cancelled"))
-            future.exception()  # retrieved: waiters get it, nobody else needs to
+            return await _outcome(spec.name, start)
+        except asyncio.CancelledError:
+            start.cancel()  # this request was cancelled: so is the start
             raise
         finally:
-            self.state.provisioning.pop(spec.name, None)
+            if self.state.provisioning.get(spec.name) is start:
+                del self.state.provisioning[spec.name]
+
+    async def _start_registered(self, spec: SandboxSpec) -> LiveSandbox:
+        live = await self._start(spec)
         self.state.sandboxes[spec.name] = live
-        future.set_result(live)
         log.info("sandbox.started", extra={"sandbox": spec.name})
         return live
 
     async def destroy(self, name: str) -> bool:
         pending = self.state.provisioning.get(name)
         if pending is not None:
-            try:
-                await asyncio.shield(pending)
-            except Exception:
-                return False
+            pending.cancel()  # a start still in progress is abandoned (it cleans up after itself)
+            await asyncio.wait([pending])  # and if it had just finished, it is registered
         live = self.state.sandboxes.pop(name, None)
         if live is None:
-            return False
+            return pending is not None
         live.stopping = True
         await live.link.close()
         await self._stop(live)
@@ -253,3 +254,13 @@ def _spec(header: Header) -> SandboxSpec:
         )
     except (TypeError, ValueError, AttributeError) as exc:
         raise InvalidRequestError(f"bad provision spec: {exc}") from None
+
+
+async def _outcome(name: str, start: asyncio.Future[LiveSandbox]) -> LiveSandbox:
+    """Wait for a start (shielded: one waiter leaving does not abandon it for the others)."""
+    try:
+        return await asyncio.shield(start)
+    except asyncio.CancelledError:
+        if start.cancelled():
+            raise WorkerError(f"sandbox {name} was destroyed while it started") from None
+        raise
