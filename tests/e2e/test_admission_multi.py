@@ -191,7 +191,7 @@ def test_breaker_opens_on_the_3rd_timeout_across_instances_and_closes_by_trial(
     assert reopened["state"] == "open" and "trial" in reopened["reason"], reopened
 
     # the scheduler recovers: the hanging workers go, a healthy one comes
-    for proc in cl.extra_workers + [cl.worker]:
+    for proc in [*cl.extra_workers, cl.worker]:
         stop_process(proc, signal.SIGKILL)
     token = sandgate("keys", "create", "--db", cl.db_url, "--worker", "--name", "w3")
     cl.start_worker(b, capacity=4, name="w3", token=token)

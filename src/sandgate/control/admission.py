@@ -120,16 +120,17 @@ class Admission:
         try:
             return await insert(cap)
         except QuotaConflictError as exc:
-            name = "max_exec_jobs" if exec_jobs else "max_sandboxes"
-            what = "queued or running exec jobs" if exec_jobs else "live sandboxes"
-            raise LimitExceededError(
-                f"this tenant has {exc.live} {what} and its quota {name} is {cap}; wait for "
-                "one to finish (or delete one), or ask the operator to raise the quota "
-                "(sandgate tenants limit)",
-                limit=name,
-                code="quota_exceeded",
-                retry_after=QUOTA_RETRY,
-            ) from None
+            assert cap is not None
+            raise _quota_error(exc.live, cap, exec_jobs=exec_jobs) from None
+
+    async def _check_sandbox_quota(self, tenant: TenantId) -> None:
+        """Before queueing: a tenant already at its quota would only wait to be refused."""
+        limits = await self.limits(tenant)
+        if limits is None or limits.max_sandboxes is None:
+            return
+        live = await self.store.count_tenant_live_sandboxes(tenant)
+        if live >= limits.max_sandboxes:
+            raise _quota_error(live, limits.max_sandboxes, exec_jobs=False)
 
     # -- creates -------------------------------------------------------------------------------
     async def admit_create(
@@ -187,6 +188,7 @@ class Admission:
         disconnected: Disconnected | None,
     ) -> tuple[T, int]:
         limit = self.settings.queue_limit
+        await self._check_sandbox_quota(tenant)
         ticket = await self._enqueue(tenant, limit)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.queue_timeout
@@ -322,6 +324,18 @@ class Admission:
                 "max_exec_jobs": limits.max_exec_jobs,
             },
         }
+
+
+def _quota_error(live: int, cap: int, *, exec_jobs: bool) -> LimitExceededError:
+    name = "max_exec_jobs" if exec_jobs else "max_sandboxes"
+    what = "queued or running exec jobs" if exec_jobs else "live sandboxes"
+    return LimitExceededError(
+        f"this tenant has {live} {what} and its quota {name} is {cap}; wait for one to "
+        "finish (or delete one), or ask the operator to raise the quota (sandgate tenants limit)",
+        limit=name,
+        code="quota_exceeded",
+        retry_after=QUOTA_RETRY,
+    )
 
 
 def _lease() -> timedelta:

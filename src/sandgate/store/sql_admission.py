@@ -365,6 +365,11 @@ class AdmissionQueries:
         )
 
     @store_op
+    async def count_tenant_live_sandboxes(self, tenant_id: TenantId) -> int:
+        row = await self._fetch_one(_COUNT_LIVE_SANDBOXES, {"b_tenant_id": tenant_id})
+        return 0 if row is None else int(row[0])
+
+    @store_op
     async def take_rate_token(
         self, tenant_id: TenantId, rps: float, burst: int, now: float
     ) -> float:

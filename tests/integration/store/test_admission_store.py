@@ -105,6 +105,7 @@ async def test_sandbox_quota_is_exact_across_two_handles(store_url: str) -> None
 
         got = await asyncio.gather(*(one(s, i) for i, s in enumerate((a, b) * 8)))
         assert sum(got) == 3
+        assert await b.count_tenant_live_sandboxes(T1) == 3
         # another tenant is not counted against t1
         other = sandbox("other", "t2")
         await a.insert_sandbox(other, job(other.name), None, max_live=3)

@@ -1,0 +1,117 @@
+"""Admission on the all-in-one default (one instance, SQLite, a real bwrap worker): the
+answers a client sees for a rate limit, a quota, a full queue, and GET /api/v1/admission.
+(Two instances on PostgreSQL: tests/e2e/test_admission_multi.py.)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.api.conftest import Deployment, sandgate, start_deployment, wait_until
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> Iterator[Deployment]:
+    """A queue of 1 in front of a worker of capacity 1."""
+    dep = start_deployment(tmp_path, worker=False, server_args=("--queue-limit", "1"))
+    try:
+        dep.start_worker(capacity=1)
+        yield dep
+    finally:
+        dep.stop()
+        shutil.rmtree(dep.state_dir, ignore_errors=True)
+
+
+def tenant(dep: Deployment, name: str, *limits: str) -> httpx.Client:
+    key = sandgate("keys", "create", "--db", dep.db, "--tenant", name)
+    if limits:
+        shown = sandgate("tenants", "limit", "--db", dep.db, name, *limits)
+        assert shown.startswith(f"tenant {name}: ")
+    return httpx.Client(base_url=dep.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def test_admission_status_shows_queue_breaker_and_own_limits(small: Deployment) -> None:
+    with tenant(small, "plain") as plain, tenant(small, "capped", "--max-sandboxes", "4") as capped:
+        status = plain.get("/api/v1/admission").json()
+        assert status["enabled"] is True
+        assert status["queue"] == {"length": 0, "limit": 1, "timeout": 120.0}
+        breaker = status["breaker"]
+        assert breaker["state"] == "closed" and breaker["reason"] is None
+        assert (breaker["threshold"], breaker["window"], breaker["open_for"]) == (3, 600.0, 60.0)
+        assert status["recent_timeouts"] == [] and status["tenant_limits"] is None
+        limits = capped.get("/api/v1/admission").json()["tenant_limits"]
+        assert limits == {"rps": None, "burst": None, "max_sandboxes": 4, "max_exec_jobs": None}
+
+
+def test_rate_limit_answers_429_with_the_limit_and_retry_after(small: Deployment) -> None:
+    with tenant(small, "chatty", "--rps", "0.5", "--burst", "2") as chatty:
+        codes = [chatty.get("/api/v1/sandboxes").status_code for _ in range(4)]
+        assert codes == [200, 200, 429, 429]
+        refused = chatty.get("/api/v1/sandboxes")
+        error = refused.json()["error"]
+        assert error["code"] == "rate_limited" and error["limit"] == "rps"
+        assert "0.5 requests per second (burst 2)" in error["message"]
+        assert 1 <= int(refused.headers["Retry-After"]) <= 2
+    with tenant(small, "other") as other:  # another tenant is not slowed down
+        assert [other.get("/api/v1/sandboxes").status_code for _ in range(5)] == [200] * 5
+
+
+def test_quota_of_live_sandboxes(small: Deployment) -> None:
+    with tenant(small, "one", "--max-sandboxes", "1") as one:
+        first = one.post("/api/v1/sandboxes", json={})
+        assert first.status_code == 201, first.text
+        refused = one.post("/api/v1/sandboxes", json={})
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "quota_exceeded" and error["limit"] == "max_sandboxes"
+        assert "1 live sandboxes" in error["message"]
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert one.delete(f"/api/v1/sandboxes/{first.json()['name']}").status_code == 204
+        again = one.post("/api/v1/sandboxes", json={})
+        assert again.status_code == 201, again.text
+        assert one.delete(f"/api/v1/sandboxes/{again.json()['name']}").status_code == 204
+
+
+def test_a_full_worker_queues_creates_up_to_the_limit(small: Deployment) -> None:
+    with small.client() as alpha, concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        filler = alpha.post("/api/v1/sandboxes", json={})
+        assert filler.status_code == 201, filler.text
+
+        def create_queued() -> httpx.Response:
+            with small.client() as client:
+                return client.post("/api/v1/sandboxes", json={})
+
+        queued = pool.submit(create_queued)
+        wait_until(
+            lambda: alpha.get("/api/v1/admission").json()["queue"]["length"] == 1,
+            what="one create queued",
+        )
+        over = alpha.post("/api/v1/sandboxes", json={})
+        assert over.status_code == 429, over.text
+        assert over.json()["error"] == {
+            "code": "queue_full",
+            "message": over.json()["error"]["message"],
+            "limit": "queue_limit",
+        }
+        assert "1 creates already wait" in over.json()["error"]["message"]
+        assert not queued.done()
+        assert alpha.delete(f"/api/v1/sandboxes/{filler.json()['name']}").status_code == 204
+        placed = queued.result(timeout=60)
+        assert placed.status_code == 201, placed.text
+        assert alpha.get("/api/v1/admission").json()["queue"]["length"] == 0
+        assert alpha.delete(f"/api/v1/sandboxes/{placed.json()['name']}").status_code == 204
+
+
+def test_tenants_limit_refuses_nonsense(small: Deployment) -> None:
+    for args, problem in ((("--burst", "3"), "--burst needs --rps"), (("--rps", "0"), "positive")):
+        with pytest.raises(subprocess.CalledProcessError) as failed:
+            sandgate("tenants", "limit", "--db", small.db, "x", *args)
+        assert failed.value.returncode == 2
+        assert problem in failed.value.stderr
