@@ -321,6 +321,7 @@ class AdmissionQueries:
 
     if TYPE_CHECKING:
         _engine: AsyncEngine
+        _counters: AsyncEngine
 
         @property
         def dialect(self) -> str: ...
@@ -377,15 +378,19 @@ class AdmissionQueries:
             raise StoreError("a rate limit needs rps > 0 and burst >= 1")
         params = {"b_tenant_id": tenant_id, "b_now": now, "b_rps": rps, "b_burst": float(burst)}
         for _ in range(2):
-            if await self._write(_TAKE_TOKEN, params) == 1:
-                return 0.0
-            row = await self._fetch_one(_READ_LEVEL, params)
-            if row is not None:
-                return max((1.0 - float(row.level)) / rps, 1e-3)
-            # the tenant's first request: a full bucket, less this one
-            seed = {"tenant_id": tenant_id, "tokens": float(burst) - 1.0, "refilled_at": now}
-            if await self._write(self._admission.insert_bucket, seed) == 1:
-                return 0.0
+            async with self._counters.connect() as conn:
+                if (await conn.execute(_TAKE_TOKEN, params)).rowcount == 1:
+                    await conn.commit()  # a no-op in autocommit; pysqlite needs it
+                    return 0.0
+                row = (await conn.execute(_READ_LEVEL, params)).first()
+                if row is not None:
+                    return max((1.0 - float(row.level)) / rps, 1e-3)
+                # the tenant's first request: a full bucket, less this one
+                seed = {"tenant_id": tenant_id, "tokens": float(burst) - 1.0, "refilled_at": now}
+                inserted = (await conn.execute(self._admission.insert_bucket, seed)).rowcount
+                await conn.commit()
+                if inserted == 1:
+                    return 0.0
         raise StoreError("the rate bucket could not be read")  # pragma: no cover
 
     # --- the create queue
