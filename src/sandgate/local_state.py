@@ -242,26 +242,29 @@ STATE_TABLE: dict[str, StateRow] = {
     "UidPool._held": StateRow(
         "host uids leased to this worker's sandboxes (flock held on a file per uid)",
         "the worker's uid range",
-        "exact across processes on one host: the flock is the lease, released when we die",
+        "exact: the flock on the uid's file is the lease across every process on the host, "
+        "released when its holder dies",
     ),
     "BwrapRuntime._limits": StateRow(
-        "which cgroup limits this host can enforce, found at prepare", "3 flags", "per-host facts"
+        "which cgroup limits this host can enforce, found at prepare",
+        "3 flags",
+        "per-process by nature: facts about this worker's host",
     ),
     "BwrapRuntime._root_args": StateRow(
         "bwrap arguments building the read-only root, computed at prepare",
         "a few dozen strings",
-        "per-host facts",
+        "per-process by nature: facts about this worker's host",
     ),
     "BwrapRuntime._etc_args": StateRow(
         "bwrap arguments binding the minimal /etc, computed at prepare",
         "a few dozen strings",
-        "per-host facts",
+        "per-process by nature: facts about this worker's host",
     ),
     "agent": StateRow(
         "the in-sandbox agent's open file handles, exec process groups, background processes "
         "and terminals with their output buffers",
         "64 handles; 256 processes/terminals with at most 1 MiB of output each",
-        "per-sandbox by nature: one agent process per sandbox, gone with it",
+        "per-process by nature: one agent process per sandbox, gone with it",
     ),
 }
 

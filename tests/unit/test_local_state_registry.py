@@ -141,3 +141,9 @@ def test_docs_carry_the_generated_table() -> None:
     assert doc.read_text() == STATE_DOC_HEADER + state_table_markdown(), (
         "regenerate: sandgate state-table > docs/state.md"
     )
+
+
+def test_every_row_says_how_it_behaves_under_n_instances() -> None:
+    kinds = ("exact via store", "exact", "per-process by nature")
+    vague = [k for k, row in STATE_TABLE.items() if not row.under_n_instances.startswith(kinds)]
+    assert vague == [], f"say exact, exact via store or per-process by nature (and why): {vague}"
