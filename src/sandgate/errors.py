@@ -17,7 +17,8 @@ SandgateError                      code, message (both shown to the user)
 ├── WorkerError                    the worker or agent failed the operation (502)
 └── StoreError                     the store failed
     ├── IdempotencyConflictError   (tenant, digest) already recorded; carries nothing else
-    └── QuotaConflictError         a tenant's live count is at its quota; carries the count
+    ├── QuotaConflictError         a tenant's live count is at its quota; carries the count
+    └── CapacityConflictError      the chosen worker filled up meanwhile (placement retries)
 """
 
 from __future__ import annotations
@@ -120,3 +121,7 @@ class QuotaConflictError(StoreError):
     def __init__(self, message: str, *, live: int) -> None:
         super().__init__(message)
         self.live = live
+
+
+class CapacityConflictError(StoreError):
+    code = "capacity_conflict"

@@ -14,19 +14,20 @@ CLOSED = BreakerRecord(state="closed", updated_at=NOW)
 
 
 def test_opens_on_the_threshold_not_before() -> None:
-    assert breaker.after_timeout(CLOSED, 2, "slow", NOW, POLICY) is None
-    opened = breaker.after_timeout(CLOSED, 3, "slow", NOW, POLICY)
+    assert breaker.after_timeout(CLOSED, 2, "sb", "slow", NOW, POLICY) is None
+    opened = breaker.after_timeout(CLOSED, 3, "sb", "slow", NOW, POLICY)
     assert opened is not None and opened.state == "open"
     assert opened.open_until == NOW + timedelta(seconds=60)
     assert opened.reason is not None and "3 sandboxes" in opened.reason and "slow" in opened.reason
     # already open: more timeouts change nothing (the open period is not extended)
-    assert breaker.after_timeout(opened, 4, "slow", NOW, POLICY) is None
+    assert breaker.after_timeout(opened, 4, "sb", "slow", NOW, POLICY) is None
 
 
-def test_a_timeout_while_half_open_reopens_for_a_full_period() -> None:
+def test_only_the_trials_timeout_reopens_a_half_open_breaker() -> None:
     half = BreakerRecord(state="half_open", updated_at=NOW, reason="r", trial="sb", trial_at=NOW)
     later = NOW + timedelta(seconds=5)
-    reopened = breaker.after_timeout(half, 1, "slow", later, POLICY)
+    assert breaker.after_timeout(half, 5, "an-older-create", "slow", later, POLICY) is None
+    reopened = breaker.after_timeout(half, 6, "sb", "slow", later, POLICY)
     assert reopened is not None and reopened.state == "open" and reopened.trial is None
     assert reopened.open_until == later + timedelta(seconds=60)
     assert reopened.reason is not None and "trial" in reopened.reason
@@ -40,7 +41,7 @@ def test_the_window_starts_at_the_last_close() -> None:
 
 def test_verdicts() -> None:
     assert breaker.verdict(CLOSED, NOW, POLICY).admit
-    opened = breaker.after_timeout(CLOSED, 3, "slow", NOW, POLICY)
+    opened = breaker.after_timeout(CLOSED, 3, "sb", "slow", NOW, POLICY)
     assert opened is not None
     during = breaker.verdict(opened, NOW + timedelta(seconds=20), POLICY)
     assert not during.admit and not during.try_trial

@@ -34,6 +34,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from sandgate.client._base import (
     CHUNK_BYTES,
+    CREATE_READ_TIMEOUT,
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_TIMEOUT,
     EXEC_JOB_FIRST_POLL,
@@ -333,6 +334,7 @@ class AsyncSandboxes:
             safety=Safety.IDEMPOTENT,
             json=body,
             headers={"Idempotency-Key": key},
+            timeouts=self._api.stream_timeout(CREATE_READ_TIMEOUT),
         )
         return self._wrap(answer)
 

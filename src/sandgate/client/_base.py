@@ -36,6 +36,8 @@ KEY_FILE = Path(".sandgate") / "api-key"  # where `sandgate up` saves its key, f
 CHUNK_BYTES = 1 << 20  # upload/download piece; the server moves files in 1 MiB frames too
 STDIN_CHUNK_BYTES = 1 << 20  # one stdin POST (the server takes at most 8 MiB)
 DEFAULT_TIMEOUT = 60.0
+# a create may wait in the server's queue (120 s by default) and then start (30 s)
+CREATE_READ_TIMEOUT = 300.0
 DEFAULT_EXEC_TIMEOUT = 30.0  # the server's default for `execute` without a timeout
 KEEPALIVE_EXPIRY = 4.0  # below uvicorn's 5 s keep-alive, so a pooled socket is never stale
 EXEC_JOB_POLL = 0.5  # `wait_exec_job`: the longest pause between two looks at the job

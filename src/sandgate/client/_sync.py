@@ -20,6 +20,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from sandgate.client._base import (
     CHUNK_BYTES,
+    CREATE_READ_TIMEOUT,
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_TIMEOUT,
     EXEC_JOB_FIRST_POLL,
@@ -335,6 +336,7 @@ class Sandboxes:
             safety=Safety.IDEMPOTENT,
             json=body,
             headers={"Idempotency-Key": key},
+            timeouts=self._api.stream_timeout(CREATE_READ_TIMEOUT),
         )
         return self._wrap(answer)
 

@@ -17,12 +17,13 @@ enforce exactly the configured limits, not twice them. The only cache is each te
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from sandgate.config import ServerSettings
 from sandgate.core import breaker
@@ -56,12 +57,12 @@ def utcnow() -> datetime:
 
 
 @dataclass(frozen=True)
-class Admitted:
-    """A create let in, with what it holds until it is settled."""
+class Admitted(Generic[T]):
+    """A create let in: what `place` returned (its sandbox, committed), and whether it is
+    the half-open breaker's trial (its outcome then closes or re-opens the breaker)."""
 
-    value: Any  # what `place` returned (the worker chosen)
-    ticket: int | None = None  # its place in the queue, left once its sandbox row exists
-    trial: str | None = None  # the sandbox whose outcome decides the half-open breaker
+    value: T
+    trial: str | None = None
 
 
 class Admission:
@@ -76,8 +77,9 @@ class Admission:
             threshold=settings.breaker_threshold,
             window=settings.breaker_window,
             open_for=settings.breaker_open,
-            # a trial whose instance died is taken over once it could no longer be starting
-            trial_lease=settings.start_timeout + 30.0,
+            # a trial whose instance died is taken over once it could no longer be queued or
+            # starting
+            trial_lease=settings.queue_timeout + settings.start_timeout + 30.0,
         )
 
     @property
@@ -139,9 +141,10 @@ class Admission:
         sandbox_name: str,
         place: Callable[[], Awaitable[T]],
         disconnected: Disconnected | None = None,
-    ) -> Admitted:
-        """Let a create in through the breaker and the queue; `place` picks its worker and
-        raises AtCapacityError when every worker is full."""
+    ) -> Admitted[T]:
+        """Let a create in through the breaker and the queue. `place` picks a worker and
+        commits the sandbox there; it raises AtCapacityError when every worker is full (or
+        the chosen one filled up meanwhile). A queued create leaves the queue once placed."""
         if not self.enabled:
             return Admitted(await place())
         now = utcnow()
@@ -154,8 +157,7 @@ class Admission:
                 except AtCapacityError:
                     if self.settings.queue_limit <= 0:
                         raise
-            value, ticket = await self._wait_in_queue(tenant, place, disconnected)
-            return Admitted(value, ticket=ticket, trial=trial)
+            return Admitted(await self._wait_in_queue(tenant, place, disconnected, trial), trial)
         except BaseException:
             if trial is not None:  # the trial never got to start a sandbox: no outcome
                 await asyncio.shield(self.trial_outcome(trial, success=False))
@@ -186,7 +188,8 @@ class Admission:
         tenant: TenantId,
         place: Callable[[], Awaitable[T]],
         disconnected: Disconnected | None,
-    ) -> tuple[T, int]:
+        trial: str | None,
+    ) -> T:
         limit = self.settings.queue_limit
         await self._check_sandbox_quota(tenant)
         ticket = await self._enqueue(tenant, limit)
@@ -202,8 +205,11 @@ class Admission:
                     ticket = await self._enqueue(tenant, limit)
                     ahead = await self.store.queue_position(ticket, utcnow())
                 if ahead == 0:
+                    if trial is None:  # the breaker may have opened while we waited
+                        record = (await self.store.admission_snapshot(now)).breaker
+                        await self._refuse_if_open(record, now)
                     try:
-                        return await place(), ticket
+                        return await place()
                     except AtCapacityError:
                         pass
                 if loop.time() >= deadline:
@@ -219,9 +225,19 @@ class Admission:
                     await self.store.renew_ticket(ticket, utcnow() + _lease())
                     renew_at = loop.time() + TICKET_RENEW
                 await asyncio.sleep(HEAD_POLL if ahead == 0 else TAIL_POLL)
-        except BaseException:
+        finally:  # placed (its sandbox row now holds the capacity), or given up
             await asyncio.shield(self._leave(ticket))
-            raise
+
+    async def _refuse_if_open(self, record: BreakerRecord, now: datetime) -> None:
+        verdict = breaker.verdict(record, now, self.policy)
+        if not verdict.admit:
+            raise UnavailableError(
+                verdict.message
+                or "the scheduling breaker opened while this create was queued; it is due "
+                "for a trial create: retry",
+                code="scheduling_breaker_open",
+                retry_after=verdict.retry_after or 1.0,
+            )
 
     async def _enqueue(self, tenant: TenantId, limit: int) -> int:
         now = utcnow()
@@ -242,11 +258,6 @@ class Admission:
             await self.store.leave_queue(ticket)
         except Exception:  # the lease runs out by itself
             log.warning("admission.leave_failed", extra={"ticket": ticket}, exc_info=True)
-
-    async def settled(self, admitted: Admitted) -> None:
-        """The admitted create's sandbox row exists (it counts against capacity now)."""
-        if admitted.ticket is not None:
-            await self._leave(admitted.ticket)
 
     # -- the breaker's inputs --------------------------------------------------------------------
     async def trial_outcome(self, trial: str, *, success: bool) -> None:
@@ -310,7 +321,8 @@ class Admission:
                     "at": t.at,
                     # another tenant's sandbox name is not this tenant's business
                     "sandbox": t.sandbox_name if t.tenant_id == tenant else None,
-                    "instance": t.node_url,
+                    # which instance saw it, without telling tenants internal addresses
+                    "instance": instance_label(t.node_url),
                     "reason": t.reason,
                 }
                 for t in recent
@@ -324,6 +336,11 @@ class Admission:
                 "max_exec_jobs": limits.max_exec_jobs,
             },
         }
+
+
+def instance_label(node_url: str) -> str:
+    """A short stable name for an instance, safe to show to tenants."""
+    return "i-" + hashlib.sha256(node_url.encode()).hexdigest()[:8]
 
 
 def _quota_error(live: int, cap: int, *, exec_jobs: bool) -> LimitExceededError:

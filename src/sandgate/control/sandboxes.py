@@ -23,6 +23,8 @@ from sandgate.control.workers import Placement, WorkerRegistry, utcnow
 from sandgate.core import idempotency
 from sandgate.core.names import new_sandbox_name
 from sandgate.errors import (
+    AtCapacityError,
+    CapacityConflictError,
     ConflictError,
     IdempotencyConflictError,
     IdempotencyMismatchError,
@@ -190,18 +192,15 @@ class SandboxService:
     ) -> Sandbox:
         name = SandboxName(new_sandbox_name())
 
-        async def place() -> Placement:
-            return await self.workers.pick(network=request.network)
+        async def place() -> tuple[Sandbox, Job]:
+            placement = await self.workers.pick(network=request.network)
+            return await self._accept(tenant, request, claim, name, placement)
 
-        admitted = await self.admission.admit_create(tenant, name, place, disconnected)
-        try:
-            sandbox, job = await self._accept(tenant, request, claim, name, admitted.value)
-        except BaseException:
-            if admitted.trial is not None:
-                await asyncio.shield(self.admission.trial_outcome(name, success=False))
-            raise
-        finally:
-            await asyncio.shield(self.admission.settled(admitted))
+        # A keyed create goes on when its client leaves the queue: the client's retry (same
+        # key) takes it over. Without a key nobody could ever claim it, so it is abandoned.
+        left = None if claim is not None else disconnected
+        admitted = await self.admission.admit_create(tenant, name, place, left)
+        sandbox, job = admitted.value
         try:
             running = await self._deliver(sandbox, job)
         except SandboxTimeoutError:
@@ -267,10 +266,16 @@ class SandboxService:
             )
 
         async def insert(max_live: int | None) -> None:
-            await self.store.insert_sandbox(sandbox, job, record, max_live=max_live)
+            await self.store.insert_sandbox(
+                sandbox, job, record, max_live=max_live, worker_capacity=placement.capacity
+            )
 
         try:
             await self.admission.within_quota(tenant, insert, exec_jobs=False)
+        except CapacityConflictError:  # another instance took the worker's last slot first
+            raise AtCapacityError(
+                "every connected worker is at capacity", retry_after=5.0
+            ) from None
         except IdempotencyConflictError:
             assert claim is not None
             winner = await self.store.find_idempotency(tenant, claim.digest)
@@ -302,7 +307,8 @@ class SandboxService:
             node_url = await self.workers.owner(sandbox.worker)
             if node_url is None or node_url == self.workers.node_url:
                 raise TunnelUnavailableError("sandbox tunnel not available", retry_after=2.0)
-            wait = self.settings.start_timeout + 5.0
+            # the owner answers within the start timeout, plus the undo of a failed start
+            wait = self.settings.start_timeout + DESTROY_WAIT + 5.0
             await self.workers.peers.provision(node_url, job.id, wait=wait)
         except TunnelUnavailableError as exc:
             log.warning("sandbox.delivery_deferred", extra={"sandbox": sandbox.name})
@@ -347,9 +353,16 @@ class SandboxService:
             raise  # the link dropped: the job stays pending for recovery
         except BaseException as exc:
             reason = exc.message if isinstance(exc, SandgateError) else f"{type(exc).__name__}"
+            if isinstance(exc, SandboxTimeoutError):  # counted first: the undo below may wait
+                shown = reason.replace(sandbox.name, "the sandbox")  # reasons reach all tenants
+                await asyncio.shield(self.admission.scheduling_timeout(sandbox, shown))
             await asyncio.shield(self._start_failed(sandbox, job, reason))
+            current = await self.store.get_sandbox(sandbox.name)
+            if current is not None and current.state in ("deleted", "stopped"):
+                raise ConflictError(
+                    f"sandbox {sandbox.name} was {current.state} while it started"
+                ) from exc
             if isinstance(exc, SandboxTimeoutError):
-                await asyncio.shield(self.admission.scheduling_timeout(sandbox, reason))
                 raise SandboxTimeoutError(
                     f"sandbox {sandbox.name} was not ready within the start timeout "
                     f"({self.settings.start_timeout:g} s): {reason}; retry later"

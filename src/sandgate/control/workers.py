@@ -34,6 +34,7 @@ class Placement:
 
     worker: WorkerName
     features: dict[str, Any]
+    capacity: int
 
 
 class WorkerRegistry:
@@ -225,7 +226,7 @@ class WorkerRegistry:
             offered = True
             free = worker.capacity - await self.store.count_live_sandboxes(worker.name)
             if free > 0 and (best is None or free > best[0]):
-                best = (free, Placement(worker.name, worker.features))
+                best = (free, Placement(worker.name, worker.features, worker.capacity))
         if best is None:
             if network and connected and not offered:
                 raise NetworkUnavailableError(

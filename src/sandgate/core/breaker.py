@@ -52,10 +52,20 @@ def window_start(record: BreakerRecord, now: datetime, policy: BreakerPolicy) ->
 
 
 def after_timeout(
-    record: BreakerRecord, counted: int, reason: str, now: datetime, policy: BreakerPolicy
+    record: BreakerRecord,
+    counted: int,
+    sandbox: str,
+    reason: str,
+    now: datetime,
+    policy: BreakerPolicy,
 ) -> BreakerRecord | None:
-    """The breaker after one more timeout (`counted` includes it); None: unchanged."""
+    """The breaker after `sandbox` timed out (`counted` includes it); None: unchanged.
+
+    While half-open only the trial's own timeout decides (a create admitted before the
+    breaker opened may still time out then)."""
     if record.state == "half_open":
+        if sandbox != record.trial:
+            return None
         return _opened(record, f"the trial create timed out too ({reason})", now, policy)
     if record.state == "closed" and counted >= policy.threshold:
         why = (

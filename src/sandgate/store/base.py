@@ -153,7 +153,8 @@ class Store(Protocol):
     # create: one transaction writes the sandbox, its create job and the idempotency record.
     # Raises IdempotencyConflictError if (tenant, digest) already exists (nothing is written).
     # With `max_live`, the tenant's live sandboxes are counted under its limits row's lock
-    # first and QuotaConflictError is raised (nothing written) when they already reach it.
+    # and QuotaConflictError is raised (nothing written) past it. With `worker_capacity`,
+    # the sandbox's worker row is locked and CapacityConflictError raised when it is full.
     async def insert_sandbox(
         self,
         sandbox: Sandbox,
@@ -161,6 +162,7 @@ class Store(Protocol):
         idempotency: IdempotencyRecord | None,
         *,
         max_live: int | None = None,
+        worker_capacity: int | None = None,
     ) -> None: ...
     async def find_idempotency(
         self, tenant_id: TenantId, digest: str

@@ -261,6 +261,7 @@ admission_tickets = Table(
     Column("expires_at", UTCDateTime, nullable=False),
     PrimaryKeyConstraint("id", name="pk_admission_tickets"),
     Index("ix_admission_tickets_expires_at", "expires_at"),
+    sqlite_autoincrement=True,
 )
 
 # Rows whose lock serializes a check-and-take (first statement of its transaction).
@@ -299,6 +300,7 @@ scheduling_timeouts = Table(
     Column("reason", Text, nullable=False),
     PrimaryKeyConstraint("id", name="pk_scheduling_timeouts"),
     Index("ix_scheduling_timeouts_at", "at"),
+    sqlite_autoincrement=True,
 )
 
 __all__ = (

@@ -46,7 +46,7 @@ from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from sandgate.errors import IdempotencyConflictError, StoreError
+from sandgate.errors import CapacityConflictError, IdempotencyConflictError, StoreError
 from sandgate.store.base import (
     ORPHANED_EXEC_JOB,
     ApiKey,
@@ -82,7 +82,7 @@ from sandgate.store.schema import (
     tunnel_owners,
     workers,
 )
-from sandgate.store.sql_admission import AdmissionQueries, guard_quota
+from sandgate.store.sql_admission import AdmissionQueries, check_quota, lock_tenant_limits
 
 _LIVE_STATES: Final[tuple[SandboxState, ...]] = ("pending", "running")
 
@@ -110,6 +110,9 @@ _INSERT_API_KEY = insert(api_keys)
 _SELECT_API_KEY = select(api_keys).where(api_keys.c.key_hash == bindparam("b_key_hash"))
 
 _INSERT_SANDBOX = insert(sandboxes)
+_GUARD_WORKER = (
+    update(workers).where(workers.c.name == bindparam("b_name")).values(capacity=workers.c.capacity)
+)
 _INSERT_JOB = insert(jobs)
 _SELECT_IDEMPOTENCY = select(idempotency_keys).where(
     idempotency_keys.c.tenant_id == bindparam("b_tenant_id"),
@@ -613,6 +616,7 @@ class SqlStore(AdmissionQueries):
         idempotency: IdempotencyRecord | None,
         *,
         max_live: int | None = None,
+        worker_capacity: int | None = None,
     ) -> None:
         if job.sandbox_name != sandbox.name or (
             idempotency is not None
@@ -622,13 +626,13 @@ class SqlStore(AdmissionQueries):
             )
         ):
             raise StoreError("sandbox, job and idempotency record do not belong together")
+        # Locks are taken in one order, tenant limits -> key -> worker, and the first
+        # statement is always a write (on SQLite it takes the write lock before any read).
         async with self._engine.begin() as conn:
-            if max_live is not None:  # first: the tenant's row lock orders the whole check
-                await guard_quota(conn, sandbox.tenant_id, max_live, exec_jobs_quota=False)
+            quota = max_live is not None and await lock_tenant_limits(conn, sandbox.tenant_id)
             if idempotency is not None:
-                # First statement of the transaction (after a quota's lock): on SQLite it
-                # takes the write lock before anything is read; on PostgreSQL a concurrent
-                # insert of the same key waits here for the other transaction, then does nothing.
+                # On PostgreSQL a concurrent insert of the same key waits here for the other
+                # transaction, then does nothing: the key decides before any quota counts.
                 result = await conn.execute(
                     self._stmts.insert_idempotency,
                     {
@@ -641,6 +645,8 @@ class SqlStore(AdmissionQueries):
                 )
                 if result.rowcount != 1:
                     raise IdempotencyConflictError("idempotency key already recorded")
+            if worker_capacity is not None and sandbox.worker is not None:
+                await self._hold_worker_slot(conn, sandbox.worker, worker_capacity)
             await conn.execute(
                 _INSERT_SANDBOX,
                 {
@@ -676,6 +682,19 @@ class SqlStore(AdmissionQueries):
                     "updated_at": job.updated_at,
                 },
             )
+            if quota:
+                assert max_live is not None
+                await check_quota(conn, sandbox.tenant_id, max_live, exec_jobs_quota=False)
+
+    async def _hold_worker_slot(self, conn: AsyncConnection, worker: str, capacity: int) -> None:
+        """Lock the worker's row and count what it already hosts: placement is exact even
+        when two instances pick the same worker's last free slot."""
+        if (await conn.execute(_GUARD_WORKER, {"b_name": worker})).rowcount != 1:
+            return  # an unknown worker: delivery will fail it
+        params = {"b_worker": worker, "b_states": list(_LIVE_STATES)}
+        live = int((await conn.execute(_COUNT_WORKER_SANDBOXES, params)).scalar_one())
+        if live >= capacity:
+            raise CapacityConflictError(f"worker {worker} hosts {live} of {capacity} already")
 
     @_store_op
     async def find_idempotency(self, tenant_id: TenantId, digest: str) -> IdempotencyRecord | None:
@@ -948,9 +967,8 @@ class SqlStore(AdmissionQueries):
     async def insert_exec_job(self, job: ExecJob, *, max_active: int | None = None) -> None:
         if (job.digest is None) != (job.fingerprint is None):
             raise StoreError("an exec job has both a digest and a fingerprint, or neither")
-        async with self._engine.begin() as conn:
-            if max_active is not None:
-                await guard_quota(conn, job.tenant_id, max_active, exec_jobs_quota=True)
+        async with self._engine.begin() as conn:  # tenant limits -> key, as insert_sandbox
+            quota = max_active is not None and await lock_tenant_limits(conn, job.tenant_id)
             result = await conn.execute(
                 self._stmts.insert_exec_job,
                 {
@@ -977,6 +995,9 @@ class SqlStore(AdmissionQueries):
             )
             if result.rowcount != 1:
                 raise IdempotencyConflictError("an exec job with this Idempotency-Key exists")
+            if quota:
+                assert max_active is not None
+                await check_quota(conn, job.tenant_id, max_active, exec_jobs_quota=True)
 
     @_store_op
     async def get_exec_job(self, tenant_id: TenantId, job_id: ExecJobId) -> ExecJob | None:

@@ -303,17 +303,21 @@ def _breaker_params(record: BreakerRecord) -> dict[str, Any]:
     }
 
 
-async def guard_quota(
+async def lock_tenant_limits(conn: AsyncConnection, tenant_id: TenantId) -> bool:
+    """First statement of a transaction that checks a quota: lock the tenant's limits row.
+    False: the tenant has no limits row (they were removed meanwhile): nothing to hold."""
+    return (await conn.execute(_GUARD_TENANT, {"b_tenant_id": tenant_id})).rowcount == 1
+
+
+async def check_quota(
     conn: AsyncConnection, tenant_id: TenantId, limit: int, *, exec_jobs_quota: bool
 ) -> None:
-    """Inside a transaction, first thing: lock the tenant's limits row and check a quota."""
-    params = {"b_tenant_id": tenant_id}
-    if (await conn.execute(_GUARD_TENANT, params)).rowcount != 1:
-        return  # the limits were removed meanwhile: nothing to hold
+    """With the limits row locked and the new row inserted: over the quota raises (the
+    transaction then rolls back, new row included)."""
     count_stmt = _COUNT_ACTIVE_EXEC_JOBS if exec_jobs_quota else _COUNT_LIVE_SANDBOXES
-    live = int((await conn.execute(count_stmt, params)).scalar_one())
-    if live >= limit:
-        raise QuotaConflictError(f"{live} already, the quota is {limit}", live=live)
+    live = int((await conn.execute(count_stmt, {"b_tenant_id": tenant_id})).scalar_one())
+    if live > limit:
+        raise QuotaConflictError(f"{live - 1} already, the quota is {limit}", live=live - 1)
 
 
 class AdmissionQueries:
@@ -471,7 +475,9 @@ class AdmissionQueries:
             )
             since = breaker.window_start(record, now, policy)
             counted = int((await conn.execute(_COUNT_TIMEOUTS, {"b_since": since})).scalar_one())
-            changed = breaker.after_timeout(record, counted, event.reason, now, policy)
+            changed = breaker.after_timeout(
+                record, counted, event.sandbox_name, event.reason, now, policy
+            )
             if changed is None:
                 return record
             await conn.execute(_WRITE_BREAKER, _breaker_params(changed))

@@ -6,12 +6,13 @@ Two store handles (two engines, as two instances have) race on the same database
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from sandgate.core.breaker import BreakerPolicy
-from sandgate.errors import QuotaConflictError
+from sandgate.errors import CapacityConflictError, IdempotencyConflictError, QuotaConflictError
 from sandgate.store.base import (
     ExecJob,
     ExecJobId,
@@ -19,10 +20,12 @@ from sandgate.store.base import (
     SchedulingTimeout,
     TenantId,
     TenantLimits,
+    Worker,
+    WorkerName,
 )
 from sandgate.store.sql import SqlStore, open_store
 
-from .test_store_contract import job, sandbox
+from .test_store_contract import idem, job, sandbox
 
 pytestmark = pytest.mark.anyio
 
@@ -287,3 +290,40 @@ async def test_a_trial_left_unconcluded_is_taken_over_after_its_lease(store: Sql
     record = (await store.admission_snapshot(later)).breaker
     assert record.state == "open" and record.open_until == later
     assert await store.claim_breaker_trial("third", later, later - timedelta(seconds=40))
+
+
+async def test_a_workers_last_slot_goes_to_exactly_one_of_two_handles(store_url: str) -> None:
+    a, b = await two_handles(store_url)
+    try:
+        await a.upsert_worker(
+            Worker(WorkerName("w"), 2, {}, connected=True, last_seen_at=NOW, node_url="http://a")
+        )
+
+        async def one(s: SqlStore, i: int) -> bool:
+            sb = replace(sandbox(f"c-{i}", "t1"), worker=WorkerName("w"))
+            try:
+                await s.insert_sandbox(sb, job(sb.name), None, worker_capacity=2)
+            except CapacityConflictError:
+                return False
+            return True
+
+        got = await asyncio.gather(*(one(s, i) for i, s in enumerate((a, b) * 4)))
+        assert sum(got) == 2
+        assert await a.count_live_sandboxes(WorkerName("w")) == 2
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_a_keys_retry_at_the_quota_meets_its_key_not_the_quota(store: SqlStore) -> None:
+    await store.set_tenant_limits(TenantLimits(T1, max_sandboxes=1), NOW)
+    first = sandbox("k-1", "t1")
+    await store.insert_sandbox(first, job(first.name), idem("t1", "K", first.name), max_live=1)
+    retry = sandbox("k-2", "t1")
+    with pytest.raises(IdempotencyConflictError):  # the replay path, not a 429
+        await store.insert_sandbox(retry, job(retry.name), idem("t1", "K", retry.name), max_live=1)
+    other = sandbox("k-3", "t1")
+    with pytest.raises(QuotaConflictError):
+        await store.insert_sandbox(other, job(other.name), idem("t1", "L", other.name), max_live=1)
+    assert await store.get_sandbox(SandboxName("k-3")) is None  # rolled back, key included
+    assert await store.find_idempotency(T1, "L") is None

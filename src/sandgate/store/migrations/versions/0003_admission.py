@@ -47,6 +47,7 @@ def upgrade() -> None:
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("id", name="pk_admission_tickets"),
+        sqlite_autoincrement=True,
     )
     op.create_index("ix_admission_tickets_expires_at", "admission_tickets", ["expires_at"])
     locks = op.create_table(
@@ -77,6 +78,7 @@ def upgrade() -> None:
         sa.Column("node_url", sa.Text(), nullable=False),
         sa.Column("reason", sa.Text(), nullable=False),
         sa.PrimaryKeyConstraint("id", name="pk_scheduling_timeouts"),
+        sqlite_autoincrement=True,
     )
     op.create_index("ix_scheduling_timeouts_at", "scheduling_timeouts", ["at"])
     assert locks is not None and breakers is not None
