@@ -428,7 +428,7 @@ class SandboxService:
                 node_url = await self.workers.owner(sandbox.worker)
                 if node_url is None or node_url == self.workers.node_url:
                     return  # nobody holds the tunnel now; the next claim tries again
-                wait = self.settings.start_timeout + 5.0
+                wait = self.settings.start_timeout + DESTROY_WAIT + 5.0
                 await self.workers.peers.provision(node_url, job.id, wait=wait)
             log.info("job.recovered", extra={"job": job.id, "attempt": job.attempt})
         except SandgateError as exc:
