@@ -66,14 +66,18 @@ class Deployment:
     logs: list[Path] = field(default_factory=list)
 
     def client(self, tenant: str = "alpha", **kw: object) -> httpx.Client:
+        options: dict[str, object] = {"timeout": 60.0, **kw}
         return httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {self.keys[tenant]}"},
-            timeout=60.0,
-            **kw,  # type: ignore[arg-type]
+            **options,  # type: ignore[arg-type]
         )
 
-    def start_worker(self, name: str = "w1", capacity: int = 32) -> None:
+    def start_worker(self, name: str = "w1", capacity: int = 32, faults: str = "") -> None:
+        env = {k: v for k, v in os.environ.items() if k != "SANDGATE_FAULTS"}
+        env["SANDGATE_TOKEN"] = self.worker_token
+        if faults:
+            env["SANDGATE_FAULTS"] = faults
         with open(self.data_dir / f"worker-{name}.log", "ab") as log:
             self.worker = subprocess.Popen(
                 [
@@ -92,7 +96,7 @@ class Deployment:
                     "--state-dir",
                     str(self.state_dir),
                 ],
-                env={**os.environ, "SANDGATE_TOKEN": self.worker_token},
+                env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

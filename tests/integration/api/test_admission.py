@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,3 +116,57 @@ def test_tenants_limit_refuses_nonsense(small: Deployment) -> None:
             sandgate("tenants", "limit", "--db", small.db, "x", *args)
         assert failed.value.returncode == 2
         assert problem in failed.value.stderr
+
+
+def test_a_keyed_create_outlives_its_client_leaving_the_queue(small: Deployment) -> None:
+    with small.client() as alpha:
+        filler = alpha.post("/api/v1/sandboxes", json={})
+        assert filler.status_code == 201, filler.text
+        with (
+            small.client(timeout=1.0) as impatient,
+            pytest.raises(httpx.ReadTimeout),
+        ):
+            impatient.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "stay"})
+        time.sleep(1.0)  # the server saw the client go: a create without a key would leave
+        assert alpha.get("/api/v1/admission").json()["queue"]["length"] == 1
+        assert alpha.delete(f"/api/v1/sandboxes/{filler.json()['name']}").status_code == 204
+
+        def placed() -> bool:
+            running = alpha.get("/api/v1/sandboxes", params={"state": "running"}).json()
+            return len(running["sandboxes"]) == 1
+
+        wait_until(placed, timeout=30, what="the queued create placed")
+        retry = alpha.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "stay"})
+        assert retry.status_code == 200, retry.text  # the retry finds the create it left
+        assert retry.headers["Idempotent-Replayed"] == "true"
+        assert alpha.delete(f"/api/v1/sandboxes/{retry.json()['name']}").status_code == 204
+
+
+def test_deleting_a_sandbox_whose_start_hangs_answers_its_create_409(tmp_path: Path) -> None:
+    dep = start_deployment(tmp_path, worker=False, server_args=("--start-timeout", "60"))
+    try:
+        dep.start_worker(faults="hang-start")
+        with dep.client() as alpha, concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+
+            def create() -> httpx.Response:
+                with dep.client() as client:
+                    return client.post("/api/v1/sandboxes", json={})
+
+            started = pool.submit(create)
+            pending: list[str] = []
+
+            def appears() -> bool:
+                found = alpha.get("/api/v1/sandboxes", params={"state": "pending"}).json()
+                pending[:] = [s["name"] for s in found["sandboxes"]]
+                return bool(pending)
+
+            wait_until(appears, what="the create pending on the hanging worker")
+            assert alpha.delete(f"/api/v1/sandboxes/{pending[0]}").status_code == 204
+            answer = started.result(timeout=20)  # the hung start is abandoned, not waited for
+            assert answer.status_code == 409, answer.text
+            assert "deleted while it started" in answer.json()["error"]["message"]
+            state = alpha.get(f"/api/v1/sandboxes/{pending[0]}")
+            assert state.status_code == 404  # deleted, and it stays so
+    finally:
+        dep.stop()
+        shutil.rmtree(dep.state_dir, ignore_errors=True)
