@@ -15,6 +15,7 @@ import contextlib
 import logging
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from sandgate.config import ServerSettings
@@ -151,7 +152,9 @@ class ExecJobService:
     # -- run ---------------------------------------------------------------------------------
     async def _run(self, job: ExecJob, request: ExecJobRequest) -> None:
         try:
-            if not await self.store.start_exec_job(job.id, self.node_url, utcnow()):
+            now = utcnow()
+            deadline = now + timedelta(seconds=job.timeout)
+            if not await self.store.start_exec_job(job.id, self.node_url, now, deadline=deadline):
                 return  # already failed (recovery or a restart): never run it
             result = await self._execute(job, request)
         except asyncio.CancelledError:
@@ -237,6 +240,9 @@ class ExecJobService:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+OVERDUE_GRACE = 60.0  # past its deadline (or this long queued), an unfinished job is stuck
 
 
 def _replay(job: ExecJob, fingerprint: str) -> ExecJob:

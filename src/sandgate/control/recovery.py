@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 
+from sandgate.control.exec_jobs import OVERDUE_GRACE
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.workers import utcnow
-from sandgate.store.base import Store
+from sandgate.store.base import OVERDUE_EXEC_JOB, Store
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,14 @@ class Recovery:
                 log.exception("recovery.tick_failed")  # the next tick retries
             await asyncio.sleep(self.interval)
 
+    async def _fail_overdue_exec_jobs(self, now: datetime) -> None:
+        """Jobs of a live instance whose start or result the store lost: failed, not re-run
+        (else they would hang as queued/running forever and hold the tenant's quota)."""
+        before = now - timedelta(seconds=OVERDUE_GRACE)
+        for job in await self.store.list_overdue_exec_jobs(before, CLAIM_BATCH):
+            if await self.store.fail_exec_job_as_seen(job, OVERDUE_EXEC_JOB, now):
+                log.warning("recovery.exec_job_overdue", extra={"job": job.id})
+
     async def tick(self) -> int:
         now = utcnow()
         await self.store.heartbeat_instance(self.node_url, now)
@@ -65,6 +74,7 @@ class Recovery:
         )
         if orphaned:
             log.warning("recovery.exec_jobs_orphaned", extra={"jobs": orphaned})
+        await self._fail_overdue_exec_jobs(now)
         claimed = await self.store.claim_stale_jobs(
             now - timedelta(seconds=self.after), self.node_url, now, CLAIM_BATCH
         )

@@ -237,13 +237,26 @@ class Store(Protocol):
         self, tenant_id: TenantId, sandbox_name: SandboxName, limit: int
     ) -> list[ExecJob]: ...  # newest first
     async def find_exec_job_by_digest(self, tenant_id: TenantId, digest: str) -> ExecJob | None: ...
-    async def start_exec_job(self, job_id: ExecJobId, claimed_by: str, now: datetime) -> bool: ...
+    # `deadline`: when the job must have finished (started + timeout), for the overdue sweep
+    async def start_exec_job(
+        self,
+        job_id: ExecJobId,
+        claimed_by: str,
+        now: datetime,
+        *,
+        deadline: datetime | None = None,
+    ) -> bool: ...
     async def finish_exec_job(
         self, job_id: ExecJobId, result: ExecResult, now: datetime
     ) -> bool: ...
     # queued or running jobs whose instance's heartbeat is older than `dead_before` (or
     # missing) and that were not touched since: failed with ORPHANED_EXEC_JOB. Returns how many.
     async def fail_orphaned_exec_jobs(self, dead_before: datetime, now: datetime) -> int: ...
+    # queued jobs untouched since `before` and running jobs whose deadline is before it:
+    # their start or result was lost (the overdue sweep), oldest first
+    async def list_overdue_exec_jobs(self, before: datetime, limit: int) -> list[ExecJob]: ...
+    # fail a job only if it is still exactly as read (state and updated_at): compare-and-swap
+    async def fail_exec_job_as_seen(self, job: ExecJob, error: str, now: datetime) -> bool: ...
     # queued or running jobs of this very instance, at its start: none of them runs any more
     async def fail_instance_exec_jobs(self, node_url: str, error: str, now: datetime) -> int: ...
 
@@ -318,3 +331,7 @@ class AdmissionSnapshot:
 
 
 ORPHANED_EXEC_JOB = "the instance running it stopped; it was not re-run"
+OVERDUE_EXEC_JOB = (
+    "its result was never recorded (the store failed while it ran) and it is past its "
+    "timeout; it was not re-run"
+)

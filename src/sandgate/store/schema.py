@@ -204,6 +204,8 @@ exec_jobs = Table(
     Column("started_at", UTCDateTime, nullable=True),
     Column("finished_at", UTCDateTime, nullable=True),
     Column("updated_at", UTCDateTime, nullable=False),
+    # started_at + timeout (schema 0003): past it, and a grace, a running job is stuck
+    Column("deadline_at", UTCDateTime, nullable=True),
     PrimaryKeyConstraint("id", name="pk_exec_jobs"),
     UniqueConstraint("tenant_id", "digest", name="uq_exec_jobs_tenant_id_digest"),
     Index("ix_exec_jobs_sandbox_name_created_at", "sandbox_name", "created_at"),

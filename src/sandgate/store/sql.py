@@ -284,6 +284,7 @@ _START_EXEC_JOB = (
         claimed_by=bindparam("b_claimed_by"),
         started_at=bindparam("b_now"),
         updated_at=bindparam("b_now"),
+        deadline_at=bindparam("b_deadline"),
     )
 )
 _FINISH_EXEC_JOB = (
@@ -319,6 +320,33 @@ _FAIL_ORPHANED_EXEC_JOBS = (
     .values(
         state="failed",
         error=ORPHANED_EXEC_JOB,
+        finished_at=bindparam("b_now"),
+        updated_at=bindparam("b_now"),
+    )
+)
+_LIST_OVERDUE_EXEC_JOBS = (
+    select(exec_jobs)
+    .where(
+        or_(
+            # a job starts right after it is accepted: queued this long, it never will
+            (exec_jobs.c.state == "queued") & (exec_jobs.c.updated_at < bindparam("b_before")),
+            # the agent kills a job at its timeout: running past it, its result was lost
+            (exec_jobs.c.state == "running") & (exec_jobs.c.deadline_at < bindparam("b_before")),
+        )
+    )
+    .order_by(exec_jobs.c.updated_at)
+    .limit(bindparam("b_limit"))
+)
+_FAIL_EXEC_JOB_AS_SEEN = (
+    update(exec_jobs)
+    .where(
+        exec_jobs.c.id == bindparam("b_id"),
+        exec_jobs.c.state == bindparam("b_seen_state"),
+        exec_jobs.c.updated_at == bindparam("b_seen_at"),
+    )
+    .values(
+        state="failed",
+        error=bindparam("b_error"),
         finished_at=bindparam("b_now"),
         updated_at=bindparam("b_now"),
     )
@@ -1029,8 +1057,15 @@ class SqlStore(AdmissionQueries):
         return _exec_job(row)
 
     @_store_op
-    async def start_exec_job(self, job_id: ExecJobId, claimed_by: str, now: datetime) -> bool:
-        params = {"b_id": job_id, "b_claimed_by": claimed_by, "b_now": now}
+    async def start_exec_job(
+        self,
+        job_id: ExecJobId,
+        claimed_by: str,
+        now: datetime,
+        *,
+        deadline: datetime | None = None,
+    ) -> bool:
+        params = {"b_id": job_id, "b_claimed_by": claimed_by, "b_now": now, "b_deadline": deadline}
         return await self._write(_START_EXEC_JOB, params) == 1
 
     @_store_op
@@ -1058,6 +1093,22 @@ class SqlStore(AdmissionQueries):
         return await self._write(
             _FAIL_ORPHANED_EXEC_JOBS, {"b_dead_before": dead_before, "b_now": now}
         )
+
+    @_store_op
+    async def list_overdue_exec_jobs(self, before: datetime, limit: int) -> list[ExecJob]:
+        params = {"b_before": before, "b_limit": limit}
+        return [_exec_job(r) for r in await self._fetch_all(_LIST_OVERDUE_EXEC_JOBS, params)]
+
+    @_store_op
+    async def fail_exec_job_as_seen(self, job: ExecJob, error: str, now: datetime) -> bool:
+        params = {
+            "b_id": job.id,
+            "b_seen_state": job.state,
+            "b_seen_at": job.updated_at,
+            "b_error": error,
+            "b_now": now,
+        }
+        return await self._write(_FAIL_EXEC_JOB_AS_SEEN, params) == 1
 
     @_store_op
     async def fail_instance_exec_jobs(self, node_url: str, error: str, now: datetime) -> int:

@@ -877,3 +877,36 @@ async def test_heartbeat_upserts_and_instance_jobs_fail(store: SqlStore) -> None
     assert await store.fail_instance_exec_jobs("http://a", "restarted", T0) == 1
     got = await store.get_exec_job(TenantId("t1"), ExecJobId("j"))
     assert got is not None and (got.state, got.error) == ("failed", "restarted")
+
+
+async def test_overdue_exec_jobs_are_listed_and_failed_as_seen(store: SqlStore) -> None:
+    # a live instance whose store writes were lost: one job never recorded its start, one
+    # never recorded its result; their neighbours are fine and must be left alone
+    for job_id in ("stuck-queued", "stuck-running", "long-running", "fresh"):
+        at = T0 + timedelta(minutes=9) if job_id == "fresh" else T0
+        await store.insert_exec_job(exec_job(job_id, claimed_by="http://alive", at=at))
+    ran = (("stuck-running", 30.0), ("long-running", 3600.0))
+    for job_id, timeout in ran:
+        deadline = T0 + timedelta(seconds=timeout)
+        assert await store.start_exec_job(ExecJobId(job_id), "http://alive", T0, deadline=deadline)
+    now = T0 + timedelta(minutes=10)
+    before = now - timedelta(seconds=60)
+    overdue = await store.list_overdue_exec_jobs(before, 10)
+    assert sorted(j.id for j in overdue) == ["stuck-queued", "stuck-running"]
+    # compare-and-swap: a job that moved since it was read is left to whoever moved it
+    moved = next(j for j in overdue if j.id == "stuck-running")
+    done = ExecResult(state="succeeded", exit_code=0)
+    assert await store.finish_exec_job(moved.id, done, now)  # its result arrived after all
+    results = [await store.fail_exec_job_as_seen(j, "overdue", now) for j in overdue]
+    assert sorted(results) == [False, True]
+    states = {
+        j.id: (j.state, j.error)
+        for j in await store.list_exec_jobs(TenantId("t1"), SandboxName("sb"), 100)
+    }
+    assert states == {
+        "stuck-queued": ("failed", "overdue"),
+        "stuck-running": ("succeeded", None),
+        "long-running": ("running", None),
+        "fresh": ("queued", None),
+    }
+    assert await store.list_overdue_exec_jobs(before, 10) == []

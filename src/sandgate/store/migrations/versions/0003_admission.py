@@ -4,7 +4,8 @@ Revision ID: 0003
 Revises: 0002
 Create Date: 2026-12-02 00:00:00
 
-Only adds: new tables, their indexes, and the two rows the admission code locks.
+Only adds: new tables, their indexes, the two rows the admission code locks, and a nullable
+`exec_jobs.deadline_at` (set when a job starts).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def upgrade() -> None:
         sqlite_autoincrement=True,
     )
     op.create_index("ix_scheduling_timeouts_at", "scheduling_timeouts", ["at"])
+    op.add_column("exec_jobs", sa.Column("deadline_at", sa.DateTime(timezone=True), nullable=True))
     assert locks is not None and breakers is not None
     op.bulk_insert(locks, [{"name": "queue", "touched": 0}])
     # SQLite stores times without an offset, in UTC (see schema.UTCDateTime)
