@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from sandgate.store.base import ApiKey, Sandbox, TenantLimits
@@ -19,8 +19,24 @@ if TYPE_CHECKING:
     from sandgate.worker.service import LiveSandbox
 
 
+K = TypeVar("K")
+V = TypeVar("V")
+
 RUNNING_CACHE_TTL = 1.0  # seconds a running sandbox's record is reused by this instance
 OWNER_CACHE_TTL = 1.0  # seconds a tunnel owner read from the store is reused
+
+
+def _fresh(entries: dict[K, tuple[V, float]], key: K, ttl: float) -> tuple[V, float] | None:
+    """A cache entry (value, stored at monotonic) no older than `ttl` seconds."""
+    hit = entries.get(key)
+    return None if hit is None or time.monotonic() - hit[1] > ttl else hit
+
+
+def _remember(entries: dict[K, tuple[V, float]], key: K, value: V, limit: int) -> None:
+    """Store an entry; a cache at its bound starts over (every entry is short-lived)."""
+    if len(entries) >= limit:
+        entries.clear()
+    entries[key] = (value, time.monotonic())
 
 
 @dataclass(frozen=True)
@@ -56,29 +72,21 @@ class ServerLocalState:
     peer_problems: dict[str, tuple[str, float]] = field(default_factory=dict)
 
     def cached_running(self, tenant: str, name: str) -> Sandbox | None:
-        hit = self.running_sandboxes.get((tenant, name))
-        if hit is None or time.monotonic() - hit[1] > RUNNING_CACHE_TTL:
-            return None
-        return hit[0]
+        hit = _fresh(self.running_sandboxes, (tenant, name), RUNNING_CACHE_TTL)
+        return None if hit is None else hit[0]
 
     def cache_running(self, tenant: str, sandbox: Sandbox, limit: int = 10_000) -> None:
-        if len(self.running_sandboxes) >= limit:
-            self.running_sandboxes.clear()
-        self.running_sandboxes[(tenant, sandbox.name)] = (sandbox, time.monotonic())
+        _remember(self.running_sandboxes, (tenant, sandbox.name), sandbox, limit)
 
     def forget_running(self, tenant: str, name: str) -> None:
         self.running_sandboxes.pop((tenant, name), None)
 
     def cached_owner(self, worker: str) -> str | None:
-        hit = self.owner_cache.get(worker)
-        if hit is None or time.monotonic() - hit[1] > OWNER_CACHE_TTL:
-            return None
-        return hit[0]
+        hit = _fresh(self.owner_cache, worker, OWNER_CACHE_TTL)
+        return None if hit is None else hit[0]
 
     def cache_owner(self, worker: str, node_url: str, limit: int = 10_000) -> None:
-        if len(self.owner_cache) >= limit:
-            self.owner_cache.clear()
-        self.owner_cache[worker] = (node_url, time.monotonic())
+        _remember(self.owner_cache, worker, node_url, limit)
 
     def forget_owner(self, worker: str) -> None:
         self.owner_cache.pop(worker, None)
@@ -103,26 +111,19 @@ class ServerLocalState:
     limits_cache: dict[str, tuple[TenantLimits | None, float]] = field(default_factory=dict)
 
     def cached_limits(self, tenant: str, ttl: float) -> tuple[bool, TenantLimits | None]:
-        hit = self.limits_cache.get(tenant)
-        if hit is None or time.monotonic() - hit[1] > ttl:
-            return False, None
-        return True, hit[0]
+        """(found, limits): None is a valid cached answer (the tenant has no limits)."""
+        hit = _fresh(self.limits_cache, tenant, ttl)
+        return (False, None) if hit is None else (True, hit[0])
 
     def cache_limits(self, tenant: str, limits: TenantLimits | None, limit: int = 10_000) -> None:
-        if len(self.limits_cache) >= limit:
-            self.limits_cache.clear()
-        self.limits_cache[tenant] = (limits, time.monotonic())
+        _remember(self.limits_cache, tenant, limits, limit)
 
     def cached_key(self, key_hash: str, ttl: float) -> ApiKey | None:
-        hit = self.auth_cache.get(key_hash)
-        if hit is None or time.monotonic() - hit[1] > ttl:
-            return None
-        return hit[0]
+        hit = _fresh(self.auth_cache, key_hash, ttl)
+        return None if hit is None else hit[0]
 
     def cache_key(self, key: ApiKey, limit: int = 10_000) -> None:
-        if len(self.auth_cache) >= limit:
-            self.auth_cache.clear()
-        self.auth_cache[key.key_hash] = (key, time.monotonic())
+        _remember(self.auth_cache, key.key_hash, key, limit)
 
 
 @dataclass

@@ -174,14 +174,10 @@ class Admission:
             if await self.store.claim_breaker_trial(sandbox_name, now, stale):
                 log.warning("breaker.trial", extra={"sandbox": sandbox_name})
                 return sandbox_name
-            raise UnavailableError(
-                breaker.refused_trial_message(record),
-                code="scheduling_breaker_open",
-                retry_after=min(self.policy.trial_lease, 5.0),
+            raise _breaker_open(
+                breaker.refused_trial_message(record), min(self.policy.trial_lease, 5.0)
             )
-        raise UnavailableError(
-            verdict.message, code="scheduling_breaker_open", retry_after=verdict.retry_after
-        )
+        raise _breaker_open(verdict.message, verdict.retry_after)
 
     async def _wait_in_queue(
         self,
@@ -207,7 +203,7 @@ class Admission:
                 if ahead == 0:
                     if trial is None:  # the breaker may have opened while we waited
                         record = (await self.store.admission_snapshot(now)).breaker
-                        await self._refuse_if_open(record, now)
+                        self._refuse_if_open(record, now)
                     try:
                         return await place()
                     except AtCapacityError:
@@ -228,15 +224,14 @@ class Admission:
         finally:  # placed (its sandbox row now holds the capacity), or given up
             await asyncio.shield(self._leave(ticket))
 
-    async def _refuse_if_open(self, record: BreakerRecord, now: datetime) -> None:
+    def _refuse_if_open(self, record: BreakerRecord, now: datetime) -> None:
         verdict = breaker.verdict(record, now, self.policy)
         if not verdict.admit:
-            raise UnavailableError(
+            raise _breaker_open(
                 verdict.message
                 or "the scheduling breaker opened while this create was queued; it is due "
                 "for a trial create: retry",
-                code="scheduling_breaker_open",
-                retry_after=verdict.retry_after or 1.0,
+                verdict.retry_after or 1.0,
             )
 
     async def _enqueue(self, tenant: TenantId, limit: int) -> int:
@@ -336,6 +331,10 @@ class Admission:
                 "max_exec_jobs": limits.max_exec_jobs,
             },
         }
+
+
+def _breaker_open(message: str, retry_after: float) -> UnavailableError:
+    return UnavailableError(message, code="scheduling_breaker_open", retry_after=retry_after)
 
 
 def instance_label(node_url: str) -> str:

@@ -328,9 +328,7 @@ class SandboxService:
             node_url = await self.workers.owner(sandbox.worker)
             if node_url is None or node_url == self.workers.node_url:
                 raise TunnelUnavailableError("sandbox tunnel not available", retry_after=2.0)
-            # the owner answers within the start timeout, plus the undo of a failed start
-            wait = self.settings.start_timeout + DESTROY_WAIT + 5.0
-            await self.workers.peers.provision(node_url, job.id, wait=wait)
+            await self.workers.peers.provision(node_url, job.id, wait=self._provision_wait)
         except TunnelUnavailableError as exc:
             log.warning("sandbox.delivery_deferred", extra={"sandbox": sandbox.name})
             raise UnavailableError(
@@ -344,6 +342,12 @@ class SandboxService:
         if running is None:
             raise NotFoundError(f"sandbox {sandbox.name} vanished while it started")
         return running
+
+    @property
+    def _provision_wait(self) -> float:
+        """How long a delivery through the owner instance may take: the start timeout, plus
+        the undo of a failed start, plus a margin."""
+        return self.settings.start_timeout + DESTROY_WAIT + 5.0
 
     async def deliver_job(self, job_id: str, *, forwarded: bool) -> Sandbox:
         """On the instance holding the worker's tunnel: provision, then record it running.
@@ -428,8 +432,7 @@ class SandboxService:
                 node_url = await self.workers.owner(sandbox.worker)
                 if node_url is None or node_url == self.workers.node_url:
                     return  # nobody holds the tunnel now; the next claim tries again
-                wait = self.settings.start_timeout + DESTROY_WAIT + 5.0
-                await self.workers.peers.provision(node_url, job.id, wait=wait)
+                await self.workers.peers.provision(node_url, job.id, wait=self._provision_wait)
             log.info("job.recovered", extra={"job": job.id, "attempt": job.attempt})
         except SandgateError as exc:
             log.warning("job.recovery_failed", extra={"job": job.id, "error": exc.message})

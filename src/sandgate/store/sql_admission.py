@@ -157,14 +157,7 @@ _DELETE_TICKET = delete(admission_tickets).where(
 
 # --- breaker
 _IS_SCHEDULING = breakers.c.name == breaker.SCHEDULING
-_SNAPSHOT = select(
-    breakers,
-    select(func.count())
-    .select_from(admission_tickets)
-    .where(admission_tickets.c.expires_at >= bindparam("b_now"))
-    .scalar_subquery()
-    .label("queued"),
-).where(_IS_SCHEDULING)
+_SNAPSHOT = select(breakers, _LIVE_TICKETS.scalar_subquery().label("queued")).where(_IS_SCHEDULING)
 _GUARD_BREAKER = update(breakers).where(_IS_SCHEDULING).values(updated_at=breakers.c.updated_at)
 _SELECT_BREAKER = select(breakers).where(_IS_SCHEDULING)
 _INSERT_TIMEOUT = insert(scheduling_timeouts)
@@ -303,6 +296,16 @@ def _breaker_params(record: BreakerRecord) -> dict[str, Any]:
     }
 
 
+async def _lock(
+    conn: AsyncConnection, guard: Any, params: dict[str, Any], seed: Any, row: dict[str, Any]
+) -> None:
+    """Lock a guard row by writing it, first seeding it if a database lacks it (the
+    migration seeds it; the insert does nothing if another transaction got there first)."""
+    if (await conn.execute(guard, params)).rowcount != 1:
+        await conn.execute(seed, row)
+        await conn.execute(guard, params)
+
+
 async def lock_tenant_limits(conn: AsyncConnection, tenant_id: TenantId) -> bool:
     """First statement of a transaction that checks a quota: lock the tenant's limits row.
     False: the tenant has no limits row (they were removed meanwhile): nothing to hold."""
@@ -412,9 +415,10 @@ class AdmissionQueries:
         self, tenant_id: TenantId, node_url: str, now: datetime, expires_at: datetime, limit: int
     ) -> int | None:
         async with self._engine.begin() as conn:
-            if (await conn.execute(_GUARD_QUEUE, {"b_name": QUEUE_LOCK})).rowcount != 1:
-                await conn.execute(self._admission.insert_lock, {"name": QUEUE_LOCK, "touched": 0})
-                await conn.execute(_GUARD_QUEUE, {"b_name": QUEUE_LOCK})
+            lock_row = {"name": QUEUE_LOCK, "touched": 0}
+            await _lock(
+                conn, _GUARD_QUEUE, {"b_name": QUEUE_LOCK}, self._admission.insert_lock, lock_row
+            )
             await conn.execute(_PURGE_TICKETS, {"b_now": now})
             queued = int((await conn.execute(_LIVE_TICKETS, {"b_now": now})).scalar_one())
             if queued >= limit:
@@ -453,12 +457,8 @@ class AdmissionQueries:
     ) -> BreakerRecord:
         now = event.at
         async with self._engine.begin() as conn:
-            if (await conn.execute(_GUARD_BREAKER)).rowcount != 1:
-                await conn.execute(
-                    self._admission.insert_breaker,
-                    {"name": breaker.SCHEDULING, "state": "closed", "updated_at": now},
-                )
-                await conn.execute(_GUARD_BREAKER)
+            closed = {"name": breaker.SCHEDULING, "state": "closed", "updated_at": now}
+            await _lock(conn, _GUARD_BREAKER, {}, self._admission.insert_breaker, closed)
             record = _breaker((await conn.execute(_SELECT_BREAKER)).first())
             await conn.execute(
                 _PURGE_TIMEOUTS, {"b_before": now - timedelta(seconds=policy.window)}
