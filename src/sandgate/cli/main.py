@@ -244,7 +244,9 @@ def server(
     ] = 500,
     queue_timeout: Annotated[
         float,
-        typer.Option(envvar="SANDGATE_QUEUE_TIMEOUT", help="seconds a queued create waits"),
+        typer.Option(
+            envvar="SANDGATE_QUEUE_TIMEOUT", min=0.1, help="seconds a queued create waits"
+        ),
     ] = 120.0,
     breaker_threshold: Annotated[
         int,
@@ -255,12 +257,14 @@ def server(
         ),
     ] = 3,
     breaker_window: Annotated[
-        float, typer.Option(envvar="SANDGATE_BREAKER_WINDOW", help="seconds")
+        float, typer.Option(envvar="SANDGATE_BREAKER_WINDOW", min=1.0, help="seconds")
     ] = 600.0,
     breaker_open: Annotated[
         float,
         typer.Option(
-            envvar="SANDGATE_BREAKER_OPEN", help="seconds the breaker stays open before a trial"
+            envvar="SANDGATE_BREAKER_OPEN",
+            min=0.0,
+            help="seconds the breaker stays open before a trial",
         ),
     ] = 60.0,
     admission: Annotated[
