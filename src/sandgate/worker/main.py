@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import fcntl
 import hashlib
 import logging
@@ -11,6 +12,8 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,18 +75,38 @@ def runtime_scope(name: str, state_dir: Path) -> str:
     return f"{slug}-{digest}"
 
 
-def lock_state_dir(state_dir: Path) -> int:
-    """Hold an exclusive lock on the worker's state dir for the life of the process."""
+LOCK_WAIT_TIMEOUT = 30.0  # how long a new worker waits for the state dir's previous holder
+LOCK_POLL_INTERVAL = 0.2
+
+
+def lock_state_dir(state_dir: Path, wait_timeout: float = LOCK_WAIT_TIMEOUT) -> int:
+    """Hold an exclusive lock on the worker's state dir for the life of the process.
+
+    A worker that held it may still be tearing down its sandboxes (the worker of a `sandgate up`
+    that was killed stops on the way out), so wait up to `wait_timeout` for it to let go.
+    """
     fd = os.open(state_dir / "worker.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise SystemExit(
-            f"another worker is running with state dir {state_dir}; "
-            "give this one another --name or --state-dir"
-        ) from None
-    return fd
+    deadline = time.monotonic() + wait_timeout
+    warned = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            pass
+        if time.monotonic() >= deadline:
+            os.close(fd)
+            raise SystemExit(
+                f"another worker is running with state dir {state_dir} (still after "
+                f"{wait_timeout:g} s); give this one another --name or --state-dir"
+            )
+        if not warned:
+            warned = True
+            log.warning(
+                "worker.state_dir_busy: waiting for the worker that holds it to stop",
+                extra={"state_dir": str(state_dir), "wait_s": wait_timeout},
+            )
+        time.sleep(LOCK_POLL_INTERVAL)
 
 
 def make_runtime(settings: WorkerSettings, state_dir: Path, agent_dir: Path) -> Runtime:
@@ -121,7 +144,28 @@ def seal_inherited_descriptors() -> None:
                 pass  # closed meanwhile (the listing's own descriptor)
 
 
+PARENT_PID_ENV = "SANDGATE_PARENT_PID"  # set by `sandgate up`: stop when that process dies
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent() -> None:
+    """Under `sandgate up` (`$SANDGATE_PARENT_PID`): get SIGTERM when it dies, even by SIGKILL.
+
+    SIGTERM makes the worker remove every sandbox it started. The parent may have died before
+    the request took effect, so its pid is checked once it has.
+    """
+    expected = os.environ.get(PARENT_PID_ENV)
+    if not expected or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("worker.pdeathsig_failed", extra={"errno": ctypes.get_errno()})
+    if os.getppid() != int(expected):
+        raise SystemExit(f"the process that started this worker (pid {expected}) is gone")
+
+
 async def run_worker(settings: WorkerSettings) -> None:
+    die_with_parent()
     seal_inherited_descriptors()
     state_dir = settings.state_dir / settings.name
     state_dir.mkdir(parents=True, exist_ok=True)
