@@ -23,6 +23,9 @@ Notes on behaviour the protocol leaves open:
 * ``proc_list`` lists terminals too, with ``terminal: true``.
 * A write to stdin or a terminal fails with ``io_error`` once the process has read nothing for
   ``WRITE_STALL_SECONDS`` (the message says how many bytes went in).
+* stdin (a write or a close) of a process that has exited, or whose pipe broke because it just
+  exited, answers ``process_exited``; a write to a running process that closed its stdin
+  answers ``conflict``. Both are the caller's conflict, not a failure of the agent.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ EXIT_GRACE = 0.1  # seconds of output still read after the process itself exited
 TIMEOUT_EXIT_CODE = 124
 PTY_KILL_DELAY = 1.0  # pty_close: seconds between SIGHUP and SIGKILL
 WRITE_STALL_SECONDS = 30.0
+BROKEN_PIPE_REAP_WAIT = 0.2  # seconds an EPIPE waits to learn whether the reader exited
 SPAWN_TIMEOUT = 10.0  # seconds a forked terminal child may take to exec
 PTY_DEFAULT_SIZE = (80, 24)  # cols, rows
 
@@ -521,6 +525,8 @@ class Registry:
         with entry.wlock:
             if entry.stdin_closed:
                 raise self._invalid(f"the stdin of process {entry.pid} was closed")
+            if entry.reap():  # its stdin went with it, even while the pump still reads
+                raise self._exited(entry, "process", 0, len(payload))
             self._write_locked(entry, payload, "process")
             if close:
                 _close_write_fd(entry)
@@ -556,19 +562,21 @@ class Registry:
         while True:
             fd = entry.write_fd
             if fd is None:
-                raise self._error("io_error", f"{what} {entry.pid} has exited")
+                raise self._exited(entry, what, len(data) - len(view), len(data))
             if not view:
                 return
             try:
                 written = os.write(fd, view)
             except BlockingIOError:
                 written = 0
+            except BrokenPipeError:  # nobody reads the pipe any more
+                raise self._broken(entry, what, len(data) - len(view), len(data)) from None
             if written:
                 view = view[written:]
                 progress = time.monotonic()
                 continue
             if entry.finished:
-                raise self._error("io_error", f"{what} {entry.pid} has exited")
+                raise self._exited(entry, what, len(data) - len(view), len(data))
             if time.monotonic() - progress > WRITE_STALL_SECONDS:
                 done = len(data) - len(view)
                 raise self._error(
@@ -579,6 +587,31 @@ class Registry:
             poller = select.poll()
             poller.register(fd, select.POLLOUT)
             poller.poll(100)
+
+    def _exited(self, entry: _Entry, what: str, done: int, size: int) -> Exception:
+        """``process_exited``: the caller's conflict (the process is gone), not an IO failure."""
+        code = "" if entry.exit_code is None else f" (exit code {entry.exit_code})"
+        went_in = f"; {done} of {size} bytes were written" if done else ""
+        return self._error(
+            "process_exited",
+            f"{what} {entry.pid} has exited{code}: it reads no more input{went_in}; "
+            "start a new one to send it input",
+        )
+
+    def _broken(self, entry: _Entry, what: str, done: int, size: int) -> Exception:
+        """The write end of a pipe nobody reads (EPIPE): the process exited, or closed it."""
+        # the kernel closes an exiting process's files before its parent can reap it
+        deadline = time.monotonic() + BROKEN_PIPE_REAP_WAIT
+        while not entry.reap() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if entry.exit_code is not None:
+            return self._exited(entry, what, done, size)
+        went_in = f" ({done} of {size} bytes were written)" if done else ""
+        return self._error(
+            "conflict",
+            f"{what} {entry.pid} closed its stdin and still runs: it reads no more "
+            f"input{went_in}; signal it or start a new process",
+        )
 
     # ----------------------------------------------------------------------- terminals
 
@@ -636,7 +669,7 @@ class Registry:
         rows = self._int(req, "rows", 1, 0xFFFF)
         with entry.wlock:
             if entry.write_fd is None:
-                raise self._error("io_error", f"terminal {entry.pid} has exited")
+                raise self._exited(entry, "terminal", 0, 0)
             # the kernel sends SIGWINCH to the terminal's foreground process group
             size = struct.pack("HHHH", rows, cols, 0, 0)
             fcntl.ioctl(entry.write_fd, termios.TIOCSWINSZ, size)

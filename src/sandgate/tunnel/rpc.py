@@ -38,6 +38,7 @@ _AGENT_ERRORS: Mapping[str, type[SandgateError]] = MappingProxyType(
         "is_a_directory": ConflictError,
         "directory_not_empty": ConflictError,
         "not_running": ConflictError,
+        "process_exited": ConflictError,
         "permission_denied": PathOutsideSandboxError,
         "io_error": WorkerError,
     }

@@ -212,3 +212,63 @@ def test_terminals_are_marked_in_the_list(
 
     listed = asyncio.run(with_terminal())
     assert any(p["terminal"] for p in listed)
+
+
+def wait_exited(client: httpx.Client, name: str, pid: int) -> dict:  # type: ignore[type-arg]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        process: dict = client.get(f"{procs(name)}/{pid}").json()  # type: ignore[type-arg]
+        if process["state"] == "exited":
+            return process
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} did not exit")
+
+
+@pytest.mark.parametrize("command", ["true", "sh -c 'exit 3'"])
+def test_stdin_to_an_exited_process_is_a_conflict(
+    alpha: httpx.Client, sandbox: str, command: str
+) -> None:
+    pid = alpha.post(procs(sandbox), json={"command": command}).json()["pid"]
+    wait_exited(alpha, sandbox, pid)
+    for params, body in (({}, b"late\n"), ({"close": "true"}, b""), ({}, b"again\n")):
+        answer = alpha.post(f"{procs(sandbox)}/{pid}/stdin", params=params, content=body)
+        assert answer.status_code == 409, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "process_exited"
+        assert error["message"].startswith(f"process {pid} has exited"), error
+
+
+def test_stdin_cut_off_by_the_process_exiting_is_a_conflict(
+    alpha: httpx.Client, sandbox: str
+) -> None:
+    # head reads a little and exits while the 4 MiB are still going in: the pipe breaks
+    pid = alpha.post(procs(sandbox), json={"command": "head -c 1 >/dev/null"}).json()["pid"]
+    answer = alpha.post(f"{procs(sandbox)}/{pid}/stdin", content=b"x" * (4 << 20))
+    assert answer.status_code == 409, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "process_exited"
+    assert error["message"].startswith(f"process {pid} has exited"), error
+    assert wait_exited(alpha, sandbox, pid)["exit_code"] == 0
+
+
+def test_stdin_to_a_running_process_that_closed_it_is_a_conflict(
+    alpha: httpx.Client, sandbox: str
+) -> None:
+    pid = alpha.post(procs(sandbox), json={"command": "exec 0<&-; sleep 30"}).json()["pid"]
+    deadline = time.monotonic() + 10
+    while True:  # until the shell has closed its stdin (a write before that just goes in)
+        answer = alpha.post(f"{procs(sandbox)}/{pid}/stdin", content=b"x")
+        if answer.status_code != 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert answer.status_code == 409, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "conflict"
+    assert error["message"].startswith(f"process {pid} closed its stdin"), error
+    assert alpha.get(f"{procs(sandbox)}/{pid}").json()["state"] == "running"
+    # closing our end of its stdin is still fine; a running reader still takes input
+    assert alpha.post(f"{procs(sandbox)}/{pid}/stdin", params={"close": "true"}).status_code == 200
+    alpha.post(f"{procs(sandbox)}/{pid}/signal", json={"signal": "KILL"})
+    reader = alpha.post(procs(sandbox), json={"command": "cat"}).json()["pid"]
+    assert alpha.post(f"{procs(sandbox)}/{reader}/stdin", content=b"in\n").status_code == 200
+    alpha.post(f"{procs(sandbox)}/{reader}/signal", json={"signal": "KILL"})

@@ -302,7 +302,8 @@ def test_stdin_round_trip(agent: Client) -> None:
 def test_stdin_of_an_exited_process(agent: Client) -> None:
     pid = agent.start("true")
     agent.follow(pid)
-    assert agent.error("proc_stdin", b"late", pid=pid) == "io_error"
+    assert agent.error("proc_stdin", b"late", pid=pid) == "process_exited"
+    assert agent.error("proc_stdin", pid=pid, close=True) == "process_exited"
 
 
 @pytest.mark.parametrize("name", ["SIGTERM", "TERM", "term", 15])
@@ -415,8 +416,8 @@ def test_terminal_size_resize_echo_and_exit(agent: Client) -> None:
     _, chunks, last = agent.follow(pid, op="pty_read", offset=offset)
     assert {stream for stream, _ in chunks} <= {"pty"}
     assert (last["exited"], last["exit_code"]) == (True, 0)
-    assert agent.error("pty_write", b"late", pid=pid) == "io_error"
-    assert agent.error("pty_resize", pid=pid, cols=80, rows=24) == "io_error"
+    assert agent.error("pty_write", b"late", pid=pid) == "process_exited"
+    assert agent.error("pty_resize", pid=pid, cols=80, rows=24) == "process_exited"
     assert agent.error("proc_read", pid=pid, offset=0) == "invalid_request"
 
 
