@@ -299,6 +299,11 @@ class Store(Protocol):
     # trial at once. Applies only while `trial` is still the breaker's trial.
     async def conclude_breaker_trial(self, trial: str, success: bool, now: datetime) -> bool: ...
 
+    # readiness (/readyz): one small committed write, so a store that cannot write (disk full,
+    # read-only, gone) fails it with the driver's cause: this instance's heartbeat moved to
+    # `now` (it answers, so it is alive), never back
+    async def probe_write(self, node_url: str, now: datetime) -> None: ...
+
 
 @dataclass(frozen=True)
 class TenantLimits:

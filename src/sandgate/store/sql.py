@@ -32,6 +32,7 @@ from sqlalchemy import (
     ColumnElement,
     Row,
     bindparam,
+    case,
     delete,
     event,
     exists,
@@ -396,6 +397,20 @@ class _DialectStatements:
         self.heartbeat_instance = instance_ins.on_conflict_do_update(
             index_elements=[instances.c.node_url],
             set_={"heartbeat_at": instance_ins.excluded.heartbeat_at},
+        )
+        # /readyz: the heartbeat moved forward, never back. It must change the row: SQLite
+        # writes nothing (and so cannot fail) for an UPDATE that leaves a row as it was.
+        self.probe_write = instance_ins.on_conflict_do_update(
+            index_elements=[instances.c.node_url],
+            set_={
+                "heartbeat_at": case(
+                    (
+                        instance_ins.excluded.heartbeat_at > instances.c.heartbeat_at,
+                        instance_ins.excluded.heartbeat_at,
+                    ),
+                    else_=instances.c.heartbeat_at,
+                )
+            },
         )
         tunnel_ins = dialect_insert(tunnel_owners)
         self.claim_tunnel = tunnel_ins.on_conflict_do_update(
@@ -1123,6 +1138,12 @@ class SqlStore(AdmissionQueries):
         await self._write(
             self._stmts.heartbeat_instance, {"node_url": node_url, "heartbeat_at": now}
         )
+
+    # --- readiness
+
+    @_store_op
+    async def probe_write(self, node_url: str, now: datetime) -> None:
+        await self._write(self._stmts.probe_write, {"node_url": node_url, "heartbeat_at": now})
 
 
 # ------------------------------------------------------------------------------ open

@@ -32,7 +32,7 @@ from sandgate.store.base import (
     WorkerName,
 )
 from sandgate.store.migrate import check_current, head_revision, upgrade
-from sandgate.store.schema import sandboxes
+from sandgate.store.schema import instances, sandboxes
 from sandgate.store.sql import SqlStore, open_store
 
 pytestmark = pytest.mark.anyio
@@ -910,3 +910,48 @@ async def test_overdue_exec_jobs_are_listed_and_failed_as_seen(store: SqlStore) 
         "fresh": ("queued", None),
     }
     assert await store.list_overdue_exec_jobs(before, 10) == []
+
+
+# ------------------------------------------------------------------ readiness and causes
+
+
+async def heartbeats(store: SqlStore) -> dict[str, datetime]:
+    async with store.engine.connect() as conn:
+        rows = (await conn.execute(select(instances))).all()
+    return {row.node_url: row.heartbeat_at for row in rows}
+
+
+async def test_probe_write_commits_and_moves_the_heartbeat_only_forward(
+    store: SqlStore, store_url: str
+) -> None:
+    await store.probe_write("http://a", T0)  # a new instance: its row is written
+    await store.heartbeat_instance("http://b", T0 + timedelta(minutes=10))
+    await store.probe_write("http://b", T0)  # never moves it back
+    await store.probe_write("http://b", T0 + timedelta(minutes=10))  # nor fails when equal
+    other = await open_store(store_url)  # committed: another instance sees it
+    try:
+        seen = await heartbeats(other)
+    finally:
+        await other.aclose()
+    assert seen == {"http://a": T0, "http://b": T0 + timedelta(minutes=10)}
+    await store.probe_write("http://a", T0 + timedelta(minutes=1))
+    assert (await heartbeats(store))["http://a"] == T0 + timedelta(minutes=1)
+    # an instance that answers /readyz is alive: its jobs are not orphaned
+    await store.insert_exec_job(exec_job("j", claimed_by="http://a"))
+    assert await store.start_exec_job(ExecJobId("j"), "http://a", T0)
+    assert await store.fail_orphaned_exec_jobs(T0 + timedelta(seconds=30), T0) == 0
+
+
+async def test_a_failed_write_names_the_drivers_cause_but_no_value(store: SqlStore) -> None:
+    await store.ensure_tenant("acme")
+    secret_hash = "5ec2e7" * 10 + "abcd"
+    key = ApiKey(key_hash=secret_hash, kind="worker", tenant_id=None, created_at=T0, label="x1")
+    await store.add_api_key(key)
+    with pytest.raises(StoreError) as caught:
+        await store.add_api_key(replace(key, label="private-label"))  # the same hash again
+    message = caught.value.message
+    assert message.startswith("the store failed (add_api_key): ")
+    # the driver's words: SQLite names the constraint, PostgreSQL's condition and SQLSTATE
+    assert "UNIQUE constraint failed" in message or "unique violation (SQLSTATE 23505)" in message
+    assert secret_hash not in message and "private-label" not in message
+    assert "INSERT" not in message and "[parameters" not in message
