@@ -70,6 +70,9 @@ class ServerLocalState:
     # refused our signature. Per-process by nature: what this instance saw; /readyz shows the
     # ones seen in the last 15 s (each failed call renews it), so a fixed peer stops counting.
     peer_problems: dict[str, tuple[str, float]] = field(default_factory=dict)
+    # (why the store took no write or "" when it took one, probed at monotonic): /readyz
+    # writes to the store at most once a second per instance and reuses the answer meanwhile.
+    store_probe: tuple[str, float] | None = None
 
     def cached_running(self, tenant: str, name: str) -> Sandbox | None:
         hit = _fresh(self.running_sandboxes, (tenant, name), RUNNING_CACHE_TTL)
@@ -168,6 +171,12 @@ STATE_TABLE: dict[str, StateRow] = {
         "configuration problems seen when calling other instances",
         "one per peer instance",
         "per-process by nature: each instance reports in /readyz what it saw itself",
+    ),
+    "ServerLocalState.store_probe": StateRow(
+        "the last /readyz write probe of the store: its problem (or none) and when",
+        "one entry, reused for 1 s",
+        "per-process by nature: each instance probes the shared store itself, at most once "
+        "a second",
     ),
     "ServerLocalState.peer_links": StateRow(
         "open WebSocket links to other instances, for forwarded tunnel requests",

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from sandgate.api.deps import Services, presented_key, resolve_key, services, tenant
-from sandgate.errors import AuthError
+from sandgate.control.workers import utcnow
+from sandgate.errors import AuthError, StoreError
 from sandgate.store.base import TenantId
 from sandgate.tunnel.hub import serve_tunnel
 
@@ -16,6 +18,8 @@ router = APIRouter()
 
 Tenant = Annotated[TenantId, Depends(tenant)]
 Svc = Annotated[Services, Depends(services)]
+
+STORE_PROBE_INTERVAL = 1.0  # seconds this instance reuses its last /readyz write probe
 
 
 @router.get("/api/v1/workers", tags=["workers"])
@@ -45,16 +49,31 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz", include_in_schema=False)
 async def readyz(svc: Svc) -> JSONResponse:
     problems = [f"peer: {problem}" for problem in svc.state.recent_peer_problems()]
-    try:
-        await svc.store.list_workers()
-    except Exception as exc:
-        problems.append(f"store: {exc}")
+    if store_problem := await _store_problem(svc):
+        problems.append(store_problem)
     body = {
         "status": "ok" if not problems else "degraded",
         "problems": problems,
         "tunnels": len(svc.state.tunnels),
     }
     return JSONResponse(body, status_code=200 if not problems else 503)
+
+
+async def _store_problem(svc: Services) -> str:
+    """Why the store takes no write ("" when it took one): one small committed write, made
+    at most once per STORE_PROBE_INTERVAL by this instance; calls meanwhile reuse its answer."""
+    last = svc.state.store_probe
+    if last is not None and time.monotonic() - last[1] < STORE_PROBE_INTERVAL:
+        return last[0]
+    try:
+        await svc.store.probe_write(svc.workers.node_url, utcnow())
+        problem = ""
+    except StoreError as exc:
+        problem = f"store: cannot write: {exc.message}"
+    except Exception as exc:  # never let the probe turn /readyz into a 500
+        problem = f"store: cannot write: {type(exc).__name__}: {exc}"
+    svc.state.store_probe = (problem, time.monotonic())
+    return problem
 
 
 @router.get("/metrics", include_in_schema=False)
