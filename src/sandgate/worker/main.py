@@ -222,8 +222,15 @@ async def run_worker(settings: WorkerSettings) -> None:
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     assert main_task is not None
+
+    def stop() -> None:
+        # once: more signals must not cut the teardown short (the parent-death signal comes
+        # again each time the worker passes to another thread of a dying multi-threaded parent)
+        if not main_task.cancelling():
+            main_task.cancel()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, main_task.cancel)
+        loop.add_signal_handler(sig, stop)
     try:
         await service.run(client.run)
     except asyncio.CancelledError:
