@@ -377,20 +377,36 @@ def worker(
 def up(
     port: Annotated[int, typer.Option(envvar="SANDGATE_PORT")] = 8080,
     host: Annotated[str, typer.Option(envvar="SANDGATE_HOST")] = "127.0.0.1",
-    data_dir: Annotated[Path, typer.Option(envvar="SANDGATE_DATA_DIR")] = Path(".sandgate"),
+    data_dir: Annotated[
+        Path,
+        typer.Option(
+            envvar="SANDGATE_DATA_DIR",
+            help="database, API key, worker token and URL (the CLI and SDK read the last two "
+            "from ./.sandgate)",
+        ),
+    ] = Path(".sandgate"),
     runtime: Annotated[
         str, typer.Option(envvar="SANDGATE_RUNTIME", help="bwrap or process")
     ] = "bwrap",
     capacity: Annotated[int, typer.Option(envvar="SANDGATE_CAPACITY", min=1)] = 16,
-    state_dir: Annotated[Path, typer.Option(envvar="SANDGATE_STATE_DIR")] = Path(
-        "/var/lib/sandgate"
-    ),
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="SANDGATE_STATE_DIR",
+            help="the worker's sandboxes [default: DATA_DIR/state, or /var/lib/sandgate-up/<id> "
+            "when sandbox uids cannot traverse to the data dir]",
+            show_default=False,
+        ),
+    ] = None,
     log_level: LogOpt = "INFO",
 ) -> None:
-    """All in one: an API instance on SQLite in the data dir plus one local worker."""
+    """All in one: an API instance on SQLite in the data dir plus one local worker, restarted
+    if it dies and stopped with `up` (even on SIGKILL)."""
     from sandgate.cli.up import run_up
 
     logs.setup(log_level)
+    if runtime not in ("bwrap", "process"):
+        raise typer.BadParameter("use bwrap or process", param_hint="--runtime")
     data_dir.mkdir(parents=True, exist_ok=True)
     _refuse_second_sqlite_instance(f"sqlite:///{(data_dir / 'sandgate.db').resolve()}")
     code = run_up(

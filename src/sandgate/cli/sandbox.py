@@ -1,8 +1,9 @@
 """`sandgate sandbox ...`: create, list, remove, run in and follow sandboxes, on the SDK.
 
 Every client command takes `--url` (`$SANDGATE_URL`) and `--api-key` (`$SANDGATE_API_KEY`),
-defaulting as the SDK does: a local `sandgate up` and its `./.sandgate/api-key`. Errors print
-one line, `error: <message>`, and exit non-zero; never a traceback.
+defaulting as the SDK does: the local `sandgate up` whose `./.sandgate/url` and
+`./.sandgate/api-key` it finds. Errors print one line, `error: <message>`, and exit non-zero;
+never a traceback.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ UrlOpt = Annotated[
     typer.Option(
         "--url",
         envvar="SANDGATE_URL",
-        help="API URL (default: http://127.0.0.1:8080)",
+        help="API URL (default: the contents of ./.sandgate/url, else http://127.0.0.1:8080)",
         show_default=False,
     ),
 ]

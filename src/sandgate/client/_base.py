@@ -33,6 +33,7 @@ from sandgate.client.models import ExecJob, OutputEvent
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 KEY_FILE = Path(".sandgate") / "api-key"  # where `sandgate up` saves its key, from the cwd
+URL_FILE = Path(".sandgate") / "url"  # ... and the URL it serves at
 CHUNK_BYTES = 1 << 20  # upload/download piece; the server moves files in 1 MiB frames too
 STDIN_CHUNK_BYTES = 1 << 20  # one stdin POST (the server takes at most 8 MiB)
 DEFAULT_TIMEOUT = 60.0
@@ -50,8 +51,9 @@ UploadData: TypeAlias = "bytes | bytearray | memoryview | str | os.PathLike[str]
 
 
 def resolve_url(url: str | None) -> str:
-    """`url`, else `$SANDGATE_URL`, else a local `sandgate up` at http://127.0.0.1:8080."""
-    chosen = url or os.environ.get("SANDGATE_URL") or DEFAULT_URL
+    """`url`, else `$SANDGATE_URL`, else the URL in `./.sandgate/url` (a local `sandgate up`),
+    else http://127.0.0.1:8080."""
+    chosen = url or os.environ.get("SANDGATE_URL") or _read(URL_FILE) or DEFAULT_URL
     if "://" not in chosen:
         chosen = "http://" + chosen  # "127.0.0.1:8080" means what it says
     return chosen.rstrip("/")
@@ -64,8 +66,12 @@ def resolve_api_key(api_key: str | None) -> str | None:
     from_env = os.environ.get("SANDGATE_API_KEY")
     if from_env:
         return from_env
+    return _read(KEY_FILE)
+
+
+def _read(path: Path) -> str | None:
     try:
-        return KEY_FILE.read_text().strip() or None
+        return path.read_text().strip() or None
     except OSError:
         return None
 

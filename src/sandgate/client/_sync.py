@@ -166,7 +166,7 @@ class _Api:
 class Sandgate:
     """A sandgate API client.
 
-    `url` defaults to `$SANDGATE_URL`, then http://127.0.0.1:8080 (a local `sandgate up`);
+    `url` defaults to `$SANDGATE_URL`, then `./.sandgate/url`, then http://127.0.0.1:8080;
     `api_key` to `$SANDGATE_API_KEY`, then the contents of `./.sandgate/api-key` if that file
     exists. Connection errors and 429/503 answers are retried up to `max_retries` times with
     jittered backoff honouring `Retry-After`; calls that must not run twice (execute, process
