@@ -73,6 +73,9 @@ class ServerLocalState:
     # (why the store took no write or "" when it took one, probed at monotonic): /readyz
     # writes to the store at most once a second per instance and reuses the answer meanwhile.
     store_probe: tuple[str, float] | None = None
+    # tunnels this instance gave up on because they went silent (a partition): a counter
+    # for /metrics, kept apart from scheduling timeouts.
+    tunnel_losses: int = 0
 
     def cached_running(self, tenant: str, name: str) -> Sandbox | None:
         hit = _fresh(self.running_sandboxes, (tenant, name), RUNNING_CACHE_TTL)
@@ -136,6 +139,13 @@ class WorkerLocalState:
     sandboxes: dict[str, LiveSandbox] = field(default_factory=dict)
     # sandbox name -> the provision in progress, so a redelivered create waits for the first.
     provisioning: dict[str, asyncio.Future[LiveSandbox]] = field(default_factory=dict)
+    # sandbox name -> a sandbox being destroyed: recorded before it leaves `sandboxes`, kept
+    # until its processes, cgroups, uid lease and directories are gone. Per-process by nature;
+    # a worker that dies with entries here removes the leftovers at its next start.
+    tearing_down: dict[str, LiveSandbox] = field(default_factory=dict)
+    # sandbox name -> the task tearing it down (one per sandbox; it outlives the request that
+    # asked for it, so a dropped link never interrupts a destroy).
+    teardowns: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
 
 STATE_TABLE: dict[str, StateRow] = {
@@ -178,6 +188,11 @@ STATE_TABLE: dict[str, StateRow] = {
         "per-process by nature: each instance probes the shared store itself, at most once "
         "a second",
     ),
+    "ServerLocalState.tunnel_losses": StateRow(
+        "how many worker tunnels this instance dropped because they went silent",
+        "one counter",
+        "per-process by nature: a Prometheus counter; the scraper sums the instances",
+    ),
     "ServerLocalState.peer_links": StateRow(
         "open WebSocket links to other instances, for forwarded tunnel requests",
         "one per peer instance",
@@ -211,6 +226,17 @@ STATE_TABLE: dict[str, StateRow] = {
         "provisions in progress by sandbox name",
         "the worker's capacity",
         "per-process by nature; a redelivered create of the same name waits for the first",
+    ),
+    "WorkerLocalState.tearing_down": StateRow(
+        "sandboxes being destroyed, until everything they held on the host is gone",
+        "the worker's capacity (they count against it)",
+        "per-process by nature; reported in every hello and heartbeat until done, and what a "
+        "crashed worker left is removed at its next start",
+    ),
+    "WorkerLocalState.teardowns": StateRow(
+        "the task tearing each of those sandboxes down",
+        "one per sandbox being destroyed",
+        "per-process by nature; awaited by the worker's shutdown",
     ),
     # state objects keep on `self`, found by the registry test; each lives and dies with its owner
     "RpcChannel._pending": StateRow(

@@ -191,6 +191,8 @@ async def run_worker(settings: WorkerSettings) -> None:
             "capacity": settings.capacity,
             "features": features,
             "sandboxes": sorted(service.state.sandboxes),
+            # still being destroyed: not running, not forgotten either
+            "tearing_down": sorted(service.state.tearing_down),
         }
 
     async def on_welcome(welcome: Header) -> None:

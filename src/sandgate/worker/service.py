@@ -6,10 +6,11 @@ Tunnel operations (server → worker):
 |---|---|---|
 | `provision` | `name`, `spec` {env, network, memory_mb, cpus, pids} | `sandbox`; idempotent |
 | `destroy` | `name` | `existed` |
-| `list` | | `sandboxes` [names] |
+| `list` | | `sandboxes` [names], `tearing_down` [names being destroyed] |
 | `agent` | `sandbox`, `call` {op, ...}, payload | the agent's answer, relayed |
 
-Events (worker → server): `hello` on connect, `heartbeat`, `sandbox_exited` {name, reason}.
+Events (worker → server): `hello` on connect and `heartbeat` (both carry `sandboxes`, what
+runs, and `tearing_down`, what is still being destroyed), `sandbox_exited` {name, reason}.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from sandgate.worker.runtime.base import RunningSandbox, Runtime, SandboxSpec
 log = logging.getLogger(__name__)
 
 AGENT_READY_TIMEOUT = 20.0
+TEARDOWN_RETRY_MIN = 0.5  # a stop that failed is tried again after this, doubling...
+TEARDOWN_RETRY_MAX = 30.0  # ...up to this
 DEFAULT_AGENT_CALL_TIMEOUT = 120.0
 
 Notify = Callable[[str, dict[str, Any]], Awaitable[None]]
@@ -101,7 +104,10 @@ class WorkerService:
             existed = await self.destroy(str(header.get("name", "")))
             return {"existed": existed}, b""
         if op == "list":
-            return {"sandboxes": sorted(self.state.sandboxes)}, b""
+            return {
+                "sandboxes": sorted(self.state.sandboxes),
+                "tearing_down": sorted(self.state.tearing_down),
+            }, b""
         if op == "ping":
             return {}, b""
         raise InvalidRequestError(f"unknown tunnel op {op!r}")
@@ -115,7 +121,8 @@ class WorkerService:
         if pending is not None:
             log.info("sandbox.provision_repeat", extra={"sandbox": spec.name})
             return await _outcome(spec.name, pending)
-        if len(self.state.sandboxes) + len(self.state.provisioning) >= self.capacity:
+        held = len(self.state.sandboxes) + len(self.state.provisioning)
+        if held + len(self.state.tearing_down) >= self.capacity:
             raise NoCapacityError(f"worker is at its capacity of {self.capacity} sandboxes")
         # the start runs as its own task, so a destroy can abandon it (see destroy)
         start = asyncio.get_running_loop().create_task(self._start_registered(spec))
@@ -136,21 +143,56 @@ class WorkerService:
         return live
 
     async def destroy(self, name: str) -> bool:
+        """Tear the sandbox down. Durable against the caller going away: the teardown is
+        recorded (`tearing_down`) before the sandbox is forgotten and runs as its own task,
+        so a request cancelled by a link drop never leaves processes, cgroups, the uid lease
+        or the directories behind."""
         pending = self.state.provisioning.get(name)
         if pending is not None:
             pending.cancel()  # a start still in progress is abandoned (it cleans up after itself)
             await asyncio.wait([pending])  # and if it had just finished, it is registered
         live = self.state.sandboxes.pop(name, None)
-        if live is None:
-            return pending is not None
-        live.stopping = True
-        await live.link.close()
-        await self._stop(live)
-        log.info("sandbox.destroyed", extra={"sandbox": name})
+        if live is not None:
+            self._forget(live)
+        if name not in self.state.tearing_down:
+            return pending is not None or live is not None
+        await asyncio.shield(self._teardown_task(name))
         return True
 
+    def _forget(self, live: LiveSandbox) -> None:
+        """Move a sandbox from the running to the tearing-down record (no await between)."""
+        live.stopping = True
+        self.state.tearing_down[live.name] = live
+
+    def _teardown_task(self, name: str) -> asyncio.Task[None]:
+        """The one task tearing `name` down, started if none runs; it outlives its callers."""
+        task = self.state.teardowns.get(name)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._teardown(name))
+            self.state.teardowns[name] = task
+        return task
+
+    async def _teardown(self, name: str) -> None:
+        """Stop the sandbox until it is stopped: a failed stop (a process that survives
+        SIGKILL for a while) is retried with backoff; it stays reported until done."""
+        delay = TEARDOWN_RETRY_MIN
+        try:
+            while (live := self.state.tearing_down.get(name)) is not None:
+                try:
+                    await live.link.close()
+                    await self.runtime.stop(live.running)
+                except Exception:
+                    log.exception("sandbox.stop_failed", extra={"sandbox": name, "retry_s": delay})
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, TEARDOWN_RETRY_MAX)
+                    continue
+                del self.state.tearing_down[name]
+                log.info("sandbox.destroyed", extra={"sandbox": name})
+        finally:
+            self.state.teardowns.pop(name, None)
+
     async def destroy_all(self) -> None:
-        names = list(self.state.sandboxes) + list(self.state.provisioning)
+        names = {*self.state.sandboxes, *self.state.provisioning, *self.state.tearing_down}
         if names:
             await asyncio.gather(*(self.destroy(n) for n in names), return_exceptions=True)
 
@@ -198,10 +240,11 @@ class WorkerService:
             log.exception("sandbox.agent_link_failed", extra={"sandbox": live.name})
         if live.stopping or self.state.sandboxes.get(live.name) is not live:
             return
-        self.state.sandboxes.pop(live.name, None)
+        del self.state.sandboxes[live.name]
+        self._forget(live)
         code = live.running.process.returncode
         log.warning("sandbox.died", extra={"sandbox": live.name, "code": code})
-        await asyncio.shield(self._stop(live))
+        await asyncio.shield(self._teardown_task(live.name))
         task = asyncio.current_task()
         if self.notify is None or (task is not None and task.cancelling() > 0):
             return  # shutting down, or no tunnel: the next hello reports it gone
@@ -214,12 +257,6 @@ class WorkerService:
             )
         except Exception:
             log.warning("sandbox.exit_not_reported", extra={"sandbox": live.name})
-
-    async def _stop(self, live: LiveSandbox) -> None:
-        try:
-            await self.runtime.stop(live.running)
-        except Exception:
-            log.exception("sandbox.stop_failed", extra={"sandbox": live.name})
 
     async def _relay(self, header: Header, payload: bytes) -> tuple[Header, bytes]:
         name = str(header.get("sandbox", ""))
