@@ -34,8 +34,10 @@ from sandgate.control.workers import WorkerRegistry
 from sandgate.errors import TunnelUnavailableError
 from sandgate.faults import FAULTS
 from sandgate.local_state import ServerLocalState
+from sandgate.store.base import WorkerName
 from sandgate.store.instance_lock import hold_instance_lock, release_instance_lock
 from sandgate.store.sql import open_store
+from sandgate.tunnel.hub import TunnelSession
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
         )
         gate = Admission(store, state, settings, node_url=node_url)
         service = SandboxService(store, state, workers, settings, gate)
+
+        async def deliver_waiting(session: TunnelSession) -> None:
+            await service.wake(WorkerName(session.worker))
+
+        workers.on_serving = deliver_waiting  # a re-attached worker gets its creates at once
         jobs = ExecJobService(store, state, service, settings, gate, node_url=node_url)
         app.state.services = Services(settings, store, state, workers, service, jobs, gate)
         try:

@@ -28,8 +28,9 @@ def make_server(settings: ServerSettings, *, own_signals: bool) -> uvicorn.Serve
         http="httptools",
         ws="websockets-sansio",
         ws_max_size=16 << 20,
-        ws_ping_interval=10,
-        ws_ping_timeout=30,
+        # a silent WebSocket (a worker's tunnel in a partition) is dropped within ~15 s
+        ws_ping_interval=5,
+        ws_ping_timeout=10,
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=10,

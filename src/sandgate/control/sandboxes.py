@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 REPLAY_WAIT = 60.0  # how long a cross-instance replay waits for the first create to finish
 STALE_PENDING_GRACE = 30.0  # past start_timeout, a pending create is abandoned
 DESTROY_WAIT = 10.0  # then the worker's next heartbeat reconciles what it still runs
+WAKE_BATCH = 20  # waiting creates delivered at once when their worker re-attaches
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,7 @@ class SandboxService:
                 await asyncio.gather(early, return_exceptions=True)
         sandbox, job = admitted.value
         try:
-            running = await self._deliver(sandbox, job)
+            running = await self._deliver(sandbox, job, keyed=claim is not None)
         except SandboxTimeoutError:
             raise  # counted where it timed out, which re-opened a half-open breaker
         except BaseException:
@@ -316,11 +317,13 @@ class SandboxService:
             )
         return sandbox, job
 
-    async def _deliver(self, sandbox: Sandbox, job: Job) -> Sandbox:
+    async def _deliver(self, sandbox: Sandbox, job: Job, *, keyed: bool) -> Sandbox:
         """Push an accepted create down the worker's tunnel: ours, or the owner's instance.
 
-        If the tunnel cannot be reached, the job stays pending and recovery delivers it; the
-        client gets 503 and its retry (same key) returns the sandbox once it runs.
+        If the tunnel cannot be reached: a keyed create stays pending, is delivered when the
+        worker re-attaches (or by recovery), and the client's retry with the same key
+        returns it. An unkeyed one is withdrawn before answering, since no retry could ever
+        find it: the client is told it was not made, and it never is.
         """
         try:
             if self.workers.local(sandbox.worker) is not None:
@@ -330,6 +333,16 @@ class SandboxService:
                 raise TunnelUnavailableError("sandbox tunnel not available", retry_after=2.0)
             await self.workers.peers.provision(node_url, job.id, wait=self._provision_wait)
         except TunnelUnavailableError as exc:
+            if not keyed:
+                made = await asyncio.shield(self._withdraw(sandbox, exc.message))
+                if made is not None:
+                    return made  # delivered meanwhile (the worker came back): it exists
+                raise UnavailableError(
+                    f"the sandbox was not created: its worker's tunnel is not reachable now "
+                    f"({exc.message}); retry (send an Idempotency-Key to make retries safe)",
+                    code="tunnel_unavailable",
+                    retry_after=exc.retry_after,
+                ) from exc
             log.warning("sandbox.delivery_deferred", extra={"sandbox": sandbox.name})
             raise UnavailableError(
                 f"sandbox {sandbox.name} is accepted but its worker's tunnel is not reachable "
@@ -342,6 +355,43 @@ class SandboxService:
         if running is None:
             raise NotFoundError(f"sandbox {sandbox.name} vanished while it started")
         return running
+
+    async def _withdraw(self, sandbox: Sandbox, reason: str) -> Sandbox | None:
+        """Take back an accepted create nobody can retry: `error` from `pending`, its job
+        failed, so no delivery (wake-up, recovery) makes it later. None when withdrawn; the
+        sandbox when a delivery won the race and it runs."""
+        now = utcnow()
+        error = f"not created: the worker's tunnel was not reachable ({reason})"
+        if await self.store.set_sandbox_state(
+            sandbox.name, "error", from_states=("pending",), error=error, now=now
+        ):
+            await self.store.fail_sandbox_jobs(sandbox.name, error, now)
+            log.warning("sandbox.withdrawn", extra={"sandbox": sandbox.name})
+            # it may have reached the worker before the link dropped: take it down there
+            await self._destroy_on_worker(sandbox)
+            return None
+        current = await self.store.get_sandbox(sandbox.name)
+        if current is not None and current.state == "running":
+            return current
+        return None
+
+    async def wake(self, worker: WorkerName) -> int:
+        """Deliver now the creates waiting for `worker`, whose tunnel just started serving
+        here (recovery would find them only after `recovery_after`). Each job is claimed by
+        compare-and-swap, so a recovery tick or another instance never delivers it twice."""
+        woken = 0
+        before = utcnow()  # a job claimed here is touched after it: never claimed twice
+        while True:
+            now = utcnow()
+            claimed = await self.store.claim_stale_jobs(
+                before, self.workers.node_url, now, WAKE_BATCH, worker=worker
+            )
+            if claimed:
+                log.info("jobs.woken", extra={"worker": worker, "jobs": len(claimed)})
+                await asyncio.gather(*(self.recover(job) for job in claimed))
+            woken += len(claimed)
+            if len(claimed) < WAKE_BATCH:
+                return woken
 
     @property
     def _provision_wait(self) -> float:
@@ -371,11 +421,11 @@ class SandboxService:
         if session is None:
             raise TunnelUnavailableError("sandbox tunnel not available", retry_after=2.0)
         try:
-            await session.channel.request(
-                "provision", job.request, wait=self.settings.start_timeout
+            await self.workers.call(
+                session, "provision", job.request, wait=self.settings.start_timeout
             )
         except TunnelUnavailableError:
-            raise  # the link dropped: the job stays pending for recovery
+            raise  # the link dropped or went silent: the job stays pending, not a timeout
         except BaseException as exc:
             reason = exc.message if isinstance(exc, SandgateError) else f"{type(exc).__name__}"
             if isinstance(exc, SandboxTimeoutError):  # counted first: the undo below may wait

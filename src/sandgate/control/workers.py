@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -14,14 +18,20 @@ from sandgate.errors import (
     AuthError,
     NetworkUnavailableError,
     NoCapacityError,
+    SandboxTimeoutError,
+    SandgateError,
     TunnelUnavailableError,
     UnavailableError,
 )
 from sandgate.local_state import ServerLocalState
 from sandgate.store.base import SandboxName, Store, Worker, WorkerName
 from sandgate.tunnel.hub import TunnelSession
+from sandgate.tunnel.rpc import LinkClosedError
 
 log = logging.getLogger(__name__)
+
+RECENT_FRAME = 2.0  # a link that delivered a frame this recently answers
+PROBE_WAIT = 1.5  # a ping on a link after a timeout must answer within this
 
 
 def utcnow() -> datetime:
@@ -52,6 +62,8 @@ class WorkerRegistry:
         self.node_url = node_url
         self.peers = peers
         self.owner_ttl = owner_ttl
+        # set by the app: what to do once a worker's tunnel serves (deliver waiting creates)
+        self.on_serving: Callable[[TunnelSession], Awaitable[None]] | None = None
 
     # -- TunnelEvents ---------------------------------------------------------------------
     async def attached(self, session: TunnelSession, hello: Header) -> Header:
@@ -62,12 +74,6 @@ class WorkerRegistry:
                 "create a token per worker (sandgate keys create --worker)"
             )
         now = utcnow()
-        old = self.state.tunnels.get(session.worker)
-        self.state.tunnels[session.worker] = session
-        if old is not None:
-            log.warning("tunnel.replaced", extra={"worker": session.worker})
-            old.channel.close(TunnelUnavailableError("replaced by a newer tunnel"))
-            await old.disconnect()
         worker = WorkerName(session.worker)
         await self.store.upsert_worker(
             Worker(
@@ -79,7 +85,6 @@ class WorkerRegistry:
                 node_url=self.node_url,
             )
         )
-        await self.store.claim_tunnel(session.worker, self.node_url, now)
         reported = {str(n) for n in hello.get("sandboxes") or []}
         expected = await self.store.list_worker_sandboxes(worker, ("running",))
         for sandbox in expected:
@@ -98,6 +103,22 @@ class WorkerRegistry:
             extra={"worker": worker, "sandboxes": len(reported), "remove": len(remove)},
         )
         return {"remove": remove}
+
+    async def serving(self, session: TunnelSession) -> None:
+        """The welcome is sent and the session reads frames: route requests to it, record
+        that this instance holds it, and deliver the creates that wait for this worker."""
+        old = self.state.tunnels.get(session.worker)
+        self.state.tunnels[session.worker] = session  # before any await: routed from now on
+        if old is not None and old is not session:
+            log.warning("tunnel.replaced", extra={"worker": session.worker})
+            old.channel.close(TunnelUnavailableError("replaced by a newer tunnel"))
+            await old.disconnect(4409)
+        now = utcnow()
+        await self.store.claim_tunnel(session.worker, self.node_url, now)
+        await self.store.set_worker_connected(WorkerName(session.worker), True, now)
+        log.info("tunnel.serving", extra={"worker": session.worker})
+        if self.on_serving is not None:
+            await self.on_serving(session)
 
     async def _strays(
         self, worker: WorkerName, reported: set[str], *, adopt_pending: datetime | None
@@ -153,9 +174,11 @@ class WorkerRegistry:
                 log.warning("sandbox.exited", extra={"sandbox": name})
 
     async def detached(self, session: TunnelSession) -> None:
-        if self.state.tunnels.get(session.worker) is not session:
+        current = self.state.tunnels.get(session.worker)
+        if current is not None and current is not session:
             return  # a newer tunnel of the same worker took over
-        del self.state.tunnels[session.worker]
+        if current is session:
+            del self.state.tunnels[session.worker]
         try:
             await self.store.set_worker_connected(WorkerName(session.worker), False, utcnow())
             await self.store.release_tunnel(session.worker, self.node_url)
@@ -194,7 +217,7 @@ class WorkerRegistry:
         holds it. `forward=False` is the hop guard for requests that came from a peer."""
         session = self.local(worker)
         if session is not None:
-            return await session.channel.request(op, fields, payload, wait=wait)
+            return await self.call(session, op, fields, payload, wait=wait)
         if not forward or not worker:
             raise TunnelUnavailableError("sandbox tunnel not available", retry_after=2.0)
         node_url = self.state.cached_owner(worker)
@@ -208,6 +231,52 @@ class WorkerRegistry:
         except UnavailableError:
             self.state.forget_owner(worker)  # unreachable or not the owner: look it up again
             raise
+
+    async def call(
+        self,
+        session: TunnelSession,
+        op: str,
+        fields: dict[str, Any],
+        payload: bytes = b"",
+        *,
+        wait: float,
+    ) -> tuple[Header, bytes]:
+        """A request down our own tunnel. A timeout is the worker's only if the link still
+        answers: a silent link (a partition, a blackholed balancer) is tunnel loss instead,
+        503 `tunnel_unavailable`, never a scheduling timeout."""
+        try:
+            return await session.channel.request(op, fields, payload, wait=wait)
+        except SandboxTimeoutError:
+            if await self.answers(session):
+                raise
+            raise await self.lost(session, f"no answer to {op!r} within {wait:g} s") from None
+
+    async def answers(self, session: TunnelSession) -> bool:
+        """Whether the worker at the end of this link still answers (a frame seen lately,
+        else a ping answered within PROBE_WAIT)."""
+        if time.monotonic() - session.last_heartbeat < RECENT_FRAME:
+            return True
+        try:
+            await session.channel.call("ping", wait=PROBE_WAIT)
+        except SandgateError:
+            return False
+        return True
+
+    async def lost(self, session: TunnelSession, why: str) -> TunnelUnavailableError:
+        """Give up on a silent link: fail every call waiting on it, drop the WebSocket (the
+        worker redials), count it. Returns the error to answer with."""
+        error = LinkClosedError(
+            f"the tunnel of worker {session.worker} went silent ({why}); it is dropped and "
+            "the worker redials",
+            retry_after=2.0,
+        )
+        if not session.channel.closed:
+            self.state.tunnel_losses += 1
+            log.warning("tunnel.silent", extra={"worker": session.worker, "why": why})
+            session.channel.close(error)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(session.disconnect(4408)), PROBE_WAIT)
+        return error
 
     async def is_connected(self, worker: str) -> bool:
         return self.local(worker) is not None or await self.owner(worker) is not None

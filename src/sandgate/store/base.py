@@ -208,10 +208,17 @@ class Store(Protocol):
         self, job_id: JobId, state: JobState, *, error: str | None = None, now: datetime
     ) -> bool: ...  # only from "pending"
     async def fail_sandbox_jobs(self, name: SandboxName, error: str, now: datetime) -> int: ...
-    # pending jobs untouched since `before`, each claimed by compare-and-swap on
-    # (updated_at, attempt): exactly one instance wins a job; attempt counts deliveries
+    # pending jobs untouched since `before` (only those of sandboxes placed on `worker`, if
+    # given), each claimed by compare-and-swap on (updated_at, attempt): exactly one
+    # instance wins a job; attempt counts deliveries
     async def claim_stale_jobs(
-        self, before: datetime, claimer: str, now: datetime, limit: int
+        self,
+        before: datetime,
+        claimer: str,
+        now: datetime,
+        limit: int,
+        *,
+        worker: WorkerName | None = None,
     ) -> list[Job]: ...
 
     # workers

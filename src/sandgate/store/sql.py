@@ -243,6 +243,17 @@ _SELECT_STALE_JOBS = (
     .order_by(jobs.c.updated_at, jobs.c.id)
     .limit(bindparam("b_limit"))
 )
+_SELECT_WORKER_PENDING_JOBS = (
+    select(jobs)
+    .join(sandboxes, sandboxes.c.name == jobs.c.sandbox_name)
+    .where(
+        jobs.c.state == "pending",
+        jobs.c.updated_at < bindparam("b_before"),
+        sandboxes.c.worker == bindparam("b_worker"),
+    )
+    .order_by(jobs.c.updated_at, jobs.c.id)
+    .limit(bindparam("b_limit"))
+)
 _CLAIM_JOB = (
     update(jobs)
     .where(
@@ -954,16 +965,29 @@ class SqlStore(AdmissionQueries):
 
     @_store_op
     async def claim_stale_jobs(
-        self, before: datetime, claimer: str, now: datetime, limit: int
+        self,
+        before: datetime,
+        claimer: str,
+        now: datetime,
+        limit: int,
+        *,
+        worker: WorkerName | None = None,
     ) -> list[Job]:
-        """Pending jobs last touched before `before`, each won by compare-and-swap.
+        """Pending jobs last touched before `before` (of sandboxes placed on `worker`, if
+        given), each won by compare-and-swap.
 
         The swap is on the job's `updated_at` and `attempt` as read: of N instances reading
         the same job, exactly one update matches; the others see zero rows and skip it.
         """
         if limit <= 0:
             return []
-        rows = await self._fetch_all(_SELECT_STALE_JOBS, {"b_before": before, "b_limit": limit})
+        if worker is None:
+            rows = await self._fetch_all(_SELECT_STALE_JOBS, {"b_before": before, "b_limit": limit})
+        else:
+            rows = await self._fetch_all(
+                _SELECT_WORKER_PENDING_JOBS,
+                {"b_before": before, "b_limit": limit, "b_worker": worker},
+            )
         won = []
         for row in rows:
             candidate = _job(row)

@@ -62,8 +62,8 @@ class TunnelClient:
                     self.url,
                     additional_headers={"Authorization": f"Bearer {self._token}"},
                     max_size=MAX_PAYLOAD_BYTES + (2 << 20),
-                    ping_interval=10,
-                    ping_timeout=20,
+                    ping_interval=5,  # a silent link is dropped and redialed within ~15 s
+                    ping_timeout=10,
                     open_timeout=10,
                     compression=None,
                 ) as ws:
@@ -120,6 +120,11 @@ class TunnelClient:
             await asyncio.sleep(self._heartbeat_interval)
             try:
                 # what runs here, so the control plane can remove what it no longer knows
-                await channel.event("heartbeat", sandboxes=self._hello().get("sandboxes", []))
+                hello = self._hello()
+                await channel.event(
+                    "heartbeat",
+                    sandboxes=hello.get("sandboxes", []),
+                    tearing_down=hello.get("tearing_down", []),
+                )
             except Exception:
                 return

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
+from uvicorn.protocols.utils import ClientDisconnected
 
 from sandgate.agent.frames import FrameError, Header, decode, encode
 from sandgate.errors import AuthError
-from sandgate.tunnel.rpc import RpcChannel
+from sandgate.tunnel.rpc import LinkClosedError, RpcChannel
 
 log = logging.getLogger(__name__)
 
@@ -30,17 +31,28 @@ class TunnelSession:
     features: dict[str, Any]
     channel: RpcChannel
     token_hash: str  # the worker token it authenticated with
-    disconnect: Callable[[], Awaitable[None]]  # closes the WebSocket itself
+    disconnect: Callable[[int], Awaitable[None]]  # closes the WebSocket with this code
     connected_at: float = field(default_factory=time.time)
     last_heartbeat: float = field(default_factory=time.monotonic)
 
 
 class TunnelEvents(Protocol):
-    """What the control plane does when tunnels come, talk and go."""
+    """What the control plane does when tunnels come, talk and go, in this order:
+
+    `attached` (the hello is read; its answer becomes the welcome, the first frame the
+    worker gets), `serving` (the welcome is sent and frames are read: from now on requests
+    may be routed to the session), `event` for each event, `detached` once, at the end,
+    whether or not the session got as far as serving.
+    """
 
     async def attached(self, session: TunnelSession, hello: Header) -> Header: ...
+    async def serving(self, session: TunnelSession) -> None: ...
     async def event(self, session: TunnelSession, header: Header) -> None: ...
     async def detached(self, session: TunnelSession) -> None: ...
+
+
+# What starlette and uvicorn raise when a frame is sent on a WebSocket that went away.
+_SEND_FAILURES = (WebSocketDisconnect, ClientDisconnected, RuntimeError, OSError)
 
 
 WORKER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -67,9 +79,17 @@ async def serve_tunnel(
 ) -> None:
     """Run one worker's tunnel until it closes. The caller has authenticated the token."""
     await ws.accept()
+    channel: RpcChannel | None = None
 
     async def send(frame: bytes) -> None:
-        await ws.send_bytes(frame)
+        try:
+            await ws.send_bytes(frame)
+        except _SEND_FAILURES as exc:
+            # the link is gone: every call waiting on it fails now, not at its timeout
+            lost = LinkClosedError(f"tunnel {name} lost ({type(exc).__name__})", retry_after=1.0)
+            if channel is not None:
+                channel.close(lost)
+            raise lost from None
 
     try:
         first = await asyncio.wait_for(ws.receive_bytes(), hello_timeout)
@@ -90,8 +110,8 @@ async def serve_tunnel(
 
     channel = RpcChannel(send, on_event=on_event, name=f"tunnel {name}")
 
-    async def disconnect() -> None:
-        await _close(ws, 4409)  # replaced by a newer tunnel of the same worker
+    async def disconnect(code: int) -> None:
+        await _close(ws, code)  # 4409 replaced by a newer tunnel, 4408 went silent
 
     session = TunnelSession(
         worker=name,
@@ -107,6 +127,11 @@ async def serve_tunnel(
         log.warning("tunnel.refused", extra={"worker": name, "error": exc.message})
         await _close(ws, 4403)
         return  # never attached
+    except Exception:
+        log.exception("tunnel.attach_failed", extra={"worker": name})
+        await _close(ws, 1011)  # the worker redials
+        await asyncio.shield(events.detached(session))
+        return
 
     async def frames() -> tuple[Header, bytes] | None:
         try:
@@ -121,15 +146,20 @@ async def serve_tunnel(
         session.last_heartbeat = time.monotonic()
         return decode(data)
 
+    async def serving() -> None:
+        await events.serving(session)
+
     try:
-        await ws.send_bytes(encode({"event": "welcome", **welcome}))
-        await channel.serve(frames)
+        # the welcome is the first frame on the link: nothing is routed here before it
+        await send(encode({"event": "welcome", **welcome}))
+        await channel.serve(frames, started=serving)
     except* FrameError as group:
         log.warning("tunnel.bad_frame", extra={"worker": name, "error": str(group.exceptions[0])})
         await _close(ws, 1002)
-    except* (WebSocketDisconnect, RuntimeError, OSError):
+    except* (LinkClosedError, *_SEND_FAILURES):
         pass  # the link dropped mid-send: detach below
     finally:
+        channel.close(LinkClosedError(f"tunnel {name} closed", retry_after=1.0))
         await asyncio.shield(events.detached(session))
 
 

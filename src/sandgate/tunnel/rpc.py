@@ -131,22 +131,41 @@ class RpcChannel:
     async def event(self, kind: str, /, payload: bytes = b"", **fields: Any) -> None:
         await self.send_frame({"event": kind, **fields}, payload)
 
-    async def serve(self, frames: Callable[[], Awaitable[tuple[Header, bytes] | None]]) -> None:
-        """Read frames until the link ends, dispatching each; then fail what is waiting."""
+    async def serve(
+        self,
+        frames: Callable[[], Awaitable[tuple[Header, bytes] | None]],
+        *,
+        started: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """Read frames until the link ends, dispatching each; then fail what is waiting.
+
+        `started` runs (as a task of this channel) once frames are being read: the moment a
+        link's owner may let others send requests on it, since their answers will be read.
+        """
         try:
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
+                if started is not None:
+                    tasks.create_task(self._notify_started(started))
                 while True:
                     frame = await frames()
                     if frame is None:
                         break
                     self._dispatch(*frame)
-                # the link is gone: answers could not be sent, so stop the work behind them
+                # the link is gone: fail every call waiting on it now (the tasks below may
+                # be among them), and stop the work behind answers that cannot be sent
+                self.close(LinkClosedError(f"{self.name} closed", retry_after=1.0))
                 for task in list(self._running):
                     task.cancel()
         finally:
             self._tasks = None
             self.close(LinkClosedError(f"{self.name} closed", retry_after=1.0))
+
+    async def _notify_started(self, started: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await started()
+        except Exception:
+            log.exception("rpc.started_failed", extra={"link": self.name})
 
     def close(self, error: SandgateError) -> None:
         if self._closed is None:

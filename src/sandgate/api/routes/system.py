@@ -86,6 +86,11 @@ async def metrics(svc: Svc) -> PlainTextResponse:
         "# HELP sandgate_tunnels Worker tunnels held by this instance.",
         "# TYPE sandgate_tunnels gauge",
         f"sandgate_tunnels {len(svc.state.tunnels)}",
+        "# HELP sandgate_tunnel_losses_total Worker tunnels this instance dropped because they "
+        "went silent (a partition): answered 503 tunnel_unavailable, never counted as "
+        "scheduling timeouts.",
+        "# TYPE sandgate_tunnel_losses_total counter",
+        f"sandgate_tunnel_losses_total {svc.state.tunnel_losses}",
     ]
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
