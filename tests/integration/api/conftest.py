@@ -73,7 +73,10 @@ class Deployment:
             **options,  # type: ignore[arg-type]
         )
 
-    def start_worker(self, name: str = "w1", capacity: int = 32, faults: str = "") -> None:
+    def start_worker(
+        self, name: str = "w1", capacity: int = 32, faults: str = "", server_url: str = ""
+    ) -> None:
+        """`server_url`: where the worker dials (default the server; a fault proxy in tests)."""
         env = {k: v for k, v in os.environ.items() if k != "SANDGATE_FAULTS"}
         env["SANDGATE_TOKEN"] = self.worker_token
         if faults:
@@ -86,7 +89,7 @@ class Deployment:
                     "sandgate",
                     "worker",
                     "--server",
-                    self.url,
+                    server_url or self.url,
                     "--name",
                     name,
                     "--runtime",

@@ -141,20 +141,18 @@ def test_worker_token_serves_one_worker_name(own: Deployment) -> None:
 
 
 def test_a_failed_keyed_create_can_be_retried_and_leaves_nothing(tmp_path: Path) -> None:
-    dep = start_deployment(tmp_path, server_args=("--start-timeout", "2"))
+    dep = start_deployment(tmp_path, worker=False, server_args=("--start-timeout", "2"))
     try:
         with dep.client() as alpha:
-            assert dep.worker is not None
-            dep.worker.send_signal(signal.SIGSTOP)  # the worker hangs: the start times out
-            try:
-                first = alpha.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "k1"})
-            finally:
-                dep.worker.send_signal(signal.SIGCONT)
+            dep.start_worker(faults="hang-start")  # answers, but no start ever becomes ready
+            first = alpha.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "k1"})
             assert first.status_code == 504, first.text  # a scheduling timeout
             assert "not ready within the start timeout" in first.json()["error"]["message"]
             failed = alpha.get("/api/v1/sandboxes", params={"state": "error"}).json()["sandboxes"]
             assert len(failed) == 1
             orphan = failed[0]["name"]
+            dep.stop_worker()
+            dep.start_worker()
 
             again = alpha.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "k1"})
             assert again.status_code == 201, again.text  # created anew, not a replay
@@ -162,11 +160,34 @@ def test_a_failed_keyed_create_can_be_retried_and_leaves_nothing(tmp_path: Path)
             replay = alpha.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "k1"})
             assert replay.status_code == 200
             assert replay.json()["name"] == again.json()["name"]
-            # the start that finished late on the worker is removed there
-            wait_until(
-                lambda: not (dep.state_dir / "w1" / "sandboxes" / orphan).exists(),
-                timeout=30,
-                what="the late start is removed from the worker",
-            )
+            assert not (dep.state_dir / "w1" / "sandboxes" / orphan).exists()
+    finally:
+        dep.stop()
+
+
+def test_a_frozen_worker_is_tunnel_loss_and_its_keyed_create_lands_once_it_thaws(
+    tmp_path: Path,
+) -> None:
+    """A worker that answers nothing (SIGSTOP) is unreachable, not slow to schedule: 503
+    tunnel_unavailable, not counted by the breaker; the create is kept and delivered when
+    the worker is back, and the same key then answers that sandbox."""
+    dep = start_deployment(tmp_path, server_args=("--start-timeout", "2"))
+    try:
+        with dep.client() as alpha:
+            assert dep.worker is not None
+            dep.worker.send_signal(signal.SIGSTOP)
+            try:
+                first = alpha.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "k1"})
+            finally:
+                dep.worker.send_signal(signal.SIGCONT)
+            assert first.status_code == 503, first.text
+            assert first.json()["error"]["code"] == "tunnel_unavailable"
+            assert alpha.get("/api/v1/admission").json()["recent_timeouts"] == []
+            dep.wait_worker("w1", connected=True)
+            replay = alpha.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "k1"})
+            assert replay.status_code == 200, replay.text
+            assert replay.json()["state"] == "running"
+            listed = alpha.get("/api/v1/sandboxes").json()["sandboxes"]
+            assert [s["name"] for s in listed] == [replay.json()["name"]]
     finally:
         dep.stop()
