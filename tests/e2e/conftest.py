@@ -183,8 +183,10 @@ class Cluster:
         name: str = WORKER,
         token: str | None = None,
         faults: str = "",
+        server_url: str = "",
     ) -> subprocess.Popen[bytes]:
-        """Start worker `name` (the default one, w1, keeps `self.worker`) dialing `via`."""
+        """Start worker `name` (the default one, w1, keeps `self.worker`) dialing `via`
+        (at `server_url` if given: a fault proxy in front of it)."""
         log_path = self.base / f"worker-{name}.log"
         env = {k: v for k, v in os.environ.items() if k != "SANDGATE_FAULTS"}
         env["SANDGATE_TOKEN"] = token or self.worker_token
@@ -198,7 +200,7 @@ class Cluster:
                     "sandgate",
                     "worker",
                     "--server",
-                    via.url,
+                    server_url or via.url,
                     "--name",
                     name,
                     "--runtime",
@@ -322,8 +324,10 @@ def running_cluster(
     extra: tuple[str, ...] = (),
     capacity: int = 160,
     worker_faults: str = "",
+    worker: bool = True,
 ) -> Iterator[Cluster]:
-    """Instances A and B (each with `extra` arguments) and worker w1 dialing A."""
+    """Instances A and B (each with `extra` arguments) and worker w1 dialing A (unless
+    `worker` is false: the test starts it)."""
     if RUNTIME == "bwrap" and (os.geteuid() != 0 or shutil.which("bwrap") is None):
         pytest.skip("the bwrap runtime needs root and bubblewrap")
     db = f"sandgate_e2e_{uuid.uuid4().hex[:10]}"
@@ -349,7 +353,8 @@ def running_cluster(
         )
         a = cl.start_instance("A", extra=extra)
         cl.start_instance("B", extra=extra)
-        cl.start_worker(a, capacity, faults=worker_faults)
+        if worker:
+            cl.start_worker(a, capacity, faults=worker_faults)
         yield cl
     finally:
         if cl is not None:
