@@ -395,3 +395,30 @@ def _descendants(pid: int) -> list[int]:
             found += kids
             pending += kids
     return found
+
+
+def test_a_graceful_worker_stop_during_deletes_leaves_nothing(
+    flaky: tuple[Deployment, FaultProxy],
+) -> None:
+    dep, _ = flaky
+    assert dep.worker is not None
+    with dep.client() as c:
+        names = []
+        for _ in range(4):
+            r = c.post("/api/v1/sandboxes", json={})
+            assert r.status_code == 201, r.text
+            names.append(r.json()["name"])
+        deletes = [
+            threading.Thread(target=c.delete, args=(f"/api/v1/sandboxes/{n}",)) for n in names
+        ]
+        for t in deletes:
+            t.start()
+        time.sleep(0.2)
+        state = dep.state_dir / "w1"
+        scope = _scope_of(state)
+        dep.stop_worker()  # SIGTERM while the destroys run
+        for t in deletes:
+            t.join(60)
+    dirs = list((state / "sandboxes").iterdir())
+    cgroups = [p for p in Path("/sys/fs/cgroup").glob("*/sandgate/*/*") if scope in str(p)]
+    assert dirs == [] and cgroups == [], (dirs, cgroups)

@@ -1,0 +1,121 @@
+"""A destroy the worker was asked for finishes even when the request behind it is cancelled
+(the tunnel dropped, the worker is stopping): real bwrap sandboxes, the real agent."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sandgate.local_state import WorkerLocalState
+from sandgate.worker import cgroups
+from sandgate.worker.main import install_agent
+from sandgate.worker.runtime.base import SandboxSpec
+from sandgate.worker.runtime.bwrap import BwrapRuntime
+from sandgate.worker.service import WorkerService
+
+pytestmark = [
+    pytest.mark.bwrap,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap"),
+]
+
+UID_BASE = 283000  # away from the ranges of real workers and other tests on this host
+UID_COUNT = 100
+
+
+@pytest.fixture
+def runtime() -> Iterator[BwrapRuntime]:
+    root = Path(f"/var/lib/sandgate-test-{secrets.token_hex(4)}")
+    root.mkdir(mode=0o711)
+    os.chmod(root, 0o711)
+    install_agent(root / "agent")
+    worker = f"d-{secrets.token_hex(3)}"
+    rt = BwrapRuntime(
+        root / "state",
+        root / "agent",
+        worker_name=worker,
+        uid_base=UID_BASE,
+        uid_count=UID_COUNT,
+        uid_lock_dir=root / "uids",
+    )
+    try:
+        yield rt
+    finally:
+        host = cgroups.CgroupHost.detect()
+        asyncio.run(cgroups.cleanup_worker(host, worker))
+        cgroups.remove_worker_groups(host, worker)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def leftovers(rt: BwrapRuntime, names: list[str]) -> dict[str, object]:
+    found: dict[str, object] = {}
+    dirs = [p.name for p in rt.sandboxes_dir.iterdir()]
+    if dirs:
+        found["dirs"] = dirs
+    if rt.uids.held():
+        found["uid_leases"] = sorted(rt.uids.held())
+    groups = [
+        str(p)
+        for p in Path("/sys/fs/cgroup").glob(f"*/sandgate/{rt.worker_name}/*")
+        if p.name in names
+    ]
+    if groups:
+        found["cgroups"] = groups
+    return found
+
+
+def test_a_destroy_cancelled_at_any_point_still_finishes(runtime: BwrapRuntime) -> None:
+    rng = random.Random(2)
+    names = [f"sb-{i}-{secrets.token_hex(2)}" for i in range(10)]
+    service = WorkerService(runtime, capacity=16, state=WorkerLocalState())
+
+    async def body() -> None:
+        for name in names:
+            await service.provision(SandboxSpec(name=name))
+            (runtime.sandboxes_dir / name / "workspace" / "upload.txt").write_text("tenant")
+            request = asyncio.create_task(service.destroy(name))  # as the tunnel handler does
+            await asyncio.sleep(rng.uniform(0.0, 0.03))
+            request.cancel()  # the link dropped: the handler is cancelled
+            await asyncio.gather(request, return_exceptions=True)
+            assert name not in service.state.sandboxes
+        for _ in range(200):  # the teardowns go on by themselves
+            if not service.state.tearing_down:
+                break
+            await asyncio.sleep(0.05)
+        assert not service.state.tearing_down
+
+    async def main() -> None:
+        await runtime.prepare()
+        await service.run(body)
+
+    asyncio.run(main())
+    assert leftovers(runtime, names) == {}
+
+
+def test_a_stopping_worker_finishes_the_destroys_it_had_begun(runtime: BwrapRuntime) -> None:
+    names = [f"sb-{i}-{secrets.token_hex(2)}" for i in range(4)]
+    service = WorkerService(runtime, capacity=16, state=WorkerLocalState())
+
+    async def body() -> None:
+        for name in names:
+            await service.provision(SandboxSpec(name=name))
+        requests = [asyncio.create_task(service.destroy(n)) for n in names]
+        await asyncio.sleep(0.005)
+        for request in requests:
+            request.cancel()  # the shutdown cancels the handlers...
+        await asyncio.gather(*requests, return_exceptions=True)
+        # ...and the worker stops: service.run destroys what is left
+
+    async def main() -> None:
+        await runtime.prepare()
+        await service.run(body)
+
+    asyncio.run(main())
+    assert leftovers(runtime, names) == {}
