@@ -63,6 +63,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
         jobs = ExecJobService(store, state, service, settings, gate, node_url=node_url)
         app.state.services = Services(settings, store, state, workers, service, jobs, gate)
         try:
+            # this instance holds no tunnel yet: records naming it are from before a crash or
+            # restart, and would send creates to a tunnel that is gone until they expire
+            if stale := await store.release_node_tunnels(node_url):
+                log.warning("tunnel.stale_owners_released", extra={"records": stale})
+        except Exception:
+            log.exception("tunnel.stale_owners_not_released")  # they expire after owner_ttl
+        try:
             if left := await jobs.fail_leftovers():
                 log.warning("exec_jobs.failed_from_earlier_run", extra={"jobs": left})
         except Exception:

@@ -229,6 +229,9 @@ _RELEASE_TUNNEL = delete(tunnel_owners).where(
     tunnel_owners.c.tunnel_key == bindparam("b_key"),
     tunnel_owners.c.node_url == bindparam("b_node_url"),
 )
+_RELEASE_NODE_TUNNELS = delete(tunnel_owners).where(
+    tunnel_owners.c.node_url == bindparam("b_node_url")
+)
 _RENEW_TUNNEL = (
     update(tunnel_owners)
     .where(
@@ -1022,6 +1025,10 @@ class SqlStore(AdmissionQueries):
     @_store_op
     async def release_tunnel(self, tunnel_key: str, node_url: str) -> None:
         await self._write(_RELEASE_TUNNEL, {"b_key": tunnel_key, "b_node_url": node_url})
+
+    @_store_op
+    async def release_node_tunnels(self, node_url: str) -> int:
+        return await self._write(_RELEASE_NODE_TUNNELS, {"b_node_url": node_url})
 
     @_store_op
     async def tunnel_owner(self, tunnel_key: str) -> tuple[str, datetime] | None:

@@ -569,6 +569,17 @@ async def test_tunnel_claim_owner_release(store: SqlStore) -> None:
     await store.release_tunnel("w1", "http://b:8000")  # releasing twice is harmless
 
 
+async def test_a_starting_instance_releases_only_its_own_records(store: SqlStore) -> None:
+    await store.claim_tunnel("w1", "http://a:8000", T0)
+    await store.claim_tunnel("w2", "http://a:8000", T0)
+    await store.claim_tunnel("w3", "http://b:8000", T0)
+    assert await store.release_node_tunnels("http://a:8000") == 2
+    assert await store.tunnel_owner("w1") is None
+    assert await store.tunnel_owner("w2") is None
+    assert await store.tunnel_owner("w3") == ("http://b:8000", T0)
+    assert await store.release_node_tunnels("http://a:8000") == 0
+
+
 # -------------------------------------------------------------------- datetimes
 
 
