@@ -120,15 +120,19 @@ class Cluster:
         recovery_after: float = RECOVERY_AFTER,
         recovery_interval: float = RECOVERY_INTERVAL,
         extra: tuple[str, ...] = (),
+        port: int = 0,
+        node_url: str = "",
     ) -> Instance:
-        port = free_port()
+        """`port` and `node_url` (where peers reach it: a fault proxy in tests) default to a
+        free port and that port on 127.0.0.1."""
+        port = port or free_port()
         args = [
             "--db",
             self.db_url,
             "--port",
             str(port),
             "--node-url",
-            f"http://127.0.0.1:{port}",
+            node_url or f"http://127.0.0.1:{port}",
             "--secret-file",
             str(self.secret_file),
             "--recovery-after",
@@ -325,6 +329,8 @@ def running_cluster(
     capacity: int = 160,
     worker_faults: str = "",
     worker: bool = True,
+    a_port: int = 0,
+    a_node_url: str = "",
 ) -> Iterator[Cluster]:
     """Instances A and B (each with `extra` arguments) and worker w1 dialing A (unless
     `worker` is false: the test starts it)."""
@@ -351,7 +357,7 @@ def running_cluster(
             key=sandgate("keys", "create", "--db", db_url, "--tenant", "e2e"),
             worker_token=sandgate("keys", "create", "--db", db_url, "--worker", "--name", WORKER),
         )
-        a = cl.start_instance("A", extra=extra)
+        a = cl.start_instance("A", extra=extra, port=a_port, node_url=a_node_url)
         cl.start_instance("B", extra=extra)
         if worker:
             cl.start_worker(a, capacity, faults=worker_faults)

@@ -24,7 +24,7 @@ from sandgate.agent.frames import MAX_PAYLOAD_BYTES, Header, decode
 from sandgate.core.signing import signed_headers
 from sandgate.errors import TunnelUnavailableError, UnavailableError
 from sandgate.local_state import ServerLocalState
-from sandgate.tunnel.rpc import RpcChannel, remote_error
+from sandgate.tunnel.rpc import LinkClosedError, RpcChannel, remote_error
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,17 @@ class PeerClient:
             ) from None
 
         async def send(frame: bytes) -> None:
-            await ws.send(frame)
+            try:
+                await ws.send(frame)
+            except (ConnectionClosed, OSError) as exc:
+                # the peer link is gone: calls waiting on it fail now, callers get a 503
+                lost = LinkClosedError(
+                    f"sandbox tunnel not available: the link to its instance {node_url} "
+                    f"dropped ({type(exc).__name__})",
+                    retry_after=1.0,
+                )
+                channel.close(lost)
+                raise lost from None
 
         async def frames() -> tuple[Header, bytes] | None:
             try:
