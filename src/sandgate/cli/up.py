@@ -21,8 +21,10 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import cast
 
 import uvicorn
+from fastapi import FastAPI
 
 from sandgate.cli.serve import make_server
 from sandgate.config import ServerSettings
@@ -30,6 +32,7 @@ from sandgate.config import ServerSettings
 log = logging.getLogger(__name__)
 
 WORKER_STOP_TIMEOUT = 20.0
+WORKER_ATTACH_TIMEOUT = 30.0  # the banner waits this long for the worker to attach
 RESTART_MIN_INTERVAL = 0.5  # the first restart of a dead worker; doubling up to the max
 RESTART_MAX_INTERVAL = 10.0
 STABLE_AFTER = 30.0  # a worker that ran this long starts the backoff over
@@ -185,6 +188,9 @@ async def _up(
     argv += ["--runtime", runtime, "--capacity", str(capacity), "--state-dir", str(state_dir)]
     env = dict(os.environ, SANDGATE_TOKEN=token, **{PARENT_PID_ENV: str(os.getpid())})
     supervisor = asyncio.create_task(_supervise(argv, env, stop))
+    # the banner says "try it": so the worker is attached first, and the first try works
+    if not await _worker_attached(server, supervisor, WORKER_ATTACH_TIMEOUT):
+        log.warning("up.worker_not_attached", extra={"after_s": WORKER_ATTACH_TIMEOUT})
     _banner(url, api_key, data_dir)
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({stopper, serving, supervisor}, return_when=asyncio.FIRST_COMPLETED)
@@ -197,6 +203,20 @@ async def _up(
     server.should_exit = True
     await serving
     return code
+
+
+async def _worker_attached(
+    server: uvicorn.Server, supervisor: asyncio.Task[None], within: float
+) -> bool:
+    """Wait until the local worker's tunnel serves in this process's API instance."""
+    app = cast(FastAPI, server.config.app)  # make_server hands uvicorn our FastAPI app
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and not supervisor.done():
+        services = getattr(app.state, "services", None)  # set by the app's lifespan
+        if services is not None and services.state.tunnels:
+            return True
+        await asyncio.sleep(0.05)
+    return False
 
 
 async def _supervise(argv: list[str], env: dict[str, str], stop: asyncio.Event) -> None:

@@ -30,8 +30,8 @@ from sandgate.tunnel.rpc import LinkClosedError
 
 log = logging.getLogger(__name__)
 
-RECENT_FRAME = 2.0  # a link that delivered a frame this recently answers
-PROBE_WAIT = 1.5  # a ping on a link after a timeout must answer within this
+PROBE_LEAD = 3.0  # a request still unanswered this long before its end pings the link...
+PROBE_GRACE = 0.5  # ...and the answer to that ping may come this long after the end
 
 
 def utcnow() -> datetime:
@@ -243,24 +243,42 @@ class WorkerRegistry:
     ) -> tuple[Header, bytes]:
         """A request down our own tunnel. A timeout is the worker's only if the link still
         answers: a silent link (a partition, a blackholed balancer) is tunnel loss instead,
-        503 `tunnel_unavailable`, never a scheduling timeout."""
-        try:
-            return await session.channel.request(op, fields, payload, wait=wait)
-        except SandboxTimeoutError:
-            if await self.answers(session):
-                raise
-            raise await self.lost(session, f"no answer to {op!r} within {wait:g} s") from None
+        503 `tunnel_unavailable`, never a scheduling timeout.
 
-    async def answers(self, session: TunnelSession) -> bool:
-        """Whether the worker at the end of this link still answers (a frame seen lately,
-        else a ping answered within PROBE_WAIT)."""
-        if time.monotonic() - session.last_heartbeat < RECENT_FRAME:
-            return True
+        The link is asked (a ping) while the request still waits, PROBE_LEAD s before its
+        end, so a loaded but live worker has time to answer and the verdict costs at most
+        PROBE_GRACE s past `wait`. Any frame from the worker during the wait also proves it.
+        """
+        started = time.monotonic()
+        probe: asyncio.Task[None] | None = None
+
+        def ask() -> None:
+            nonlocal probe
+            probe = asyncio.get_running_loop().create_task(
+                self._ping(session, PROBE_LEAD + PROBE_GRACE)
+            )
+
         try:
-            await session.channel.call("ping", wait=PROBE_WAIT)
-        except SandgateError:
-            return False
-        return True
+            return await session.channel.request(
+                op, fields, payload, wait=wait, slow_after=max(0.0, wait - PROBE_LEAD), on_slow=ask
+            )
+        except SandboxTimeoutError:
+            if probe is None:  # a wait shorter than the lead: ask now
+                probe = asyncio.get_running_loop().create_task(self._ping(session, PROBE_LEAD))
+            if session.last_heartbeat <= started:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(probe), PROBE_GRACE)
+            if session.last_heartbeat > started:
+                raise  # the worker spoke meanwhile: the timeout is the sandbox's
+            raise await self.lost(session, f"no answer to {op!r} within {wait:g} s") from None
+        finally:
+            if probe is not None:
+                probe.cancel()
+
+    async def _ping(self, session: TunnelSession, wait: float) -> None:
+        """Ask the worker for any answer (it updates `session.last_heartbeat` on arrival)."""
+        with contextlib.suppress(SandgateError):
+            await session.channel.call("ping", wait=wait)
 
     async def lost(self, session: TunnelSession, why: str) -> TunnelUnavailableError:
         """Give up on a silent link: fail every call waiting on it, drop the WebSocket (the
@@ -275,7 +293,7 @@ class WorkerRegistry:
             log.warning("tunnel.silent", extra={"worker": session.worker, "why": why})
             session.channel.close(error)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(session.disconnect(4408)), PROBE_WAIT)
+                await asyncio.wait_for(asyncio.shield(session.disconnect(4408)), PROBE_LEAD)
         return error
 
     async def is_connected(self, worker: str) -> bool:

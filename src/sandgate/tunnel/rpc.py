@@ -105,9 +105,19 @@ class RpcChannel:
         return await self.request(op, fields, payload, wait=wait)
 
     async def request(
-        self, op: str, fields: dict[str, Any], payload: bytes = b"", *, wait: float | None = 30.0
+        self,
+        op: str,
+        fields: dict[str, Any],
+        payload: bytes = b"",
+        *,
+        wait: float | None = 30.0,
+        slow_after: float | None = None,
+        on_slow: Callable[[], None] | None = None,
     ) -> tuple[Header, bytes]:
-        """`call` with the request's fields as a dict (any names, relayed as they are)."""
+        """`call` with the request's fields as a dict (any names, relayed as they are).
+
+        `on_slow` is called once if no answer came within `slow_after` s (the wait goes on).
+        """
         if self._closed is not None:
             raise self._closed
         request_id = self._next_id
@@ -117,7 +127,14 @@ class RpcChannel:
         try:
             await self.send_frame({**fields, "id": request_id, "op": op}, payload)
             try:
-                header, body = await asyncio.wait_for(future, wait)
+                if on_slow is not None and slow_after is not None and wait is not None:
+                    try:
+                        header, body = await asyncio.wait_for(asyncio.shield(future), slow_after)
+                    except TimeoutError:
+                        on_slow()
+                        header, body = await asyncio.wait_for(future, wait - slow_after)
+                else:
+                    header, body = await asyncio.wait_for(future, wait)
             except TimeoutError:
                 raise SandboxTimeoutError(
                     f"{self.name}: no answer to {op!r} within {wait:g} s"
