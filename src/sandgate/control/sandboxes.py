@@ -351,6 +351,15 @@ class SandboxService:
                 code="tunnel_unavailable",
                 retry_after=exc.retry_after,
             ) from exc
+        except BaseException as exc:
+            # any other failure after the accept (the store, a peer): an unkeyed create must
+            # not stay pending for recovery to make later, unseen
+            if not keyed:
+                reason = exc.message if isinstance(exc, SandgateError) else type(exc).__name__
+                made = await asyncio.shield(self._withdraw(sandbox, reason))
+                if made is not None and isinstance(exc, Exception):
+                    return made
+            raise
         running = await self.store.get_sandbox(sandbox.name)
         if running is None:
             raise NotFoundError(f"sandbox {sandbox.name} vanished while it started")
@@ -361,7 +370,7 @@ class SandboxService:
         failed, so no delivery (wake-up, recovery) makes it later. None when withdrawn; the
         sandbox when a delivery won the race and it runs."""
         now = utcnow()
-        error = f"not created: the worker's tunnel was not reachable ({reason})"
+        error = f"not created: its delivery failed and the client was told so ({reason})"
         if await self.store.set_sandbox_state(
             sandbox.name, "error", from_states=("pending",), error=error, now=now
         ):
@@ -386,12 +395,12 @@ class SandboxService:
             claimed = await self.store.claim_stale_jobs(
                 before, self.workers.node_url, now, WAKE_BATCH, worker=worker
             )
-            if claimed:
-                log.info("jobs.woken", extra={"worker": worker, "jobs": len(claimed)})
-                await asyncio.gather(*(self.recover(job) for job in claimed))
-            woken += len(claimed)
-            if len(claimed) < WAKE_BATCH:
+            if not claimed:  # a job claimed elsewhere meanwhile was touched after `before`
                 return woken
+            log.info("jobs.woken", extra={"worker": worker, "jobs": len(claimed)})
+            # a wake-up is not a failed delivery: it does not count toward the attempt cap
+            await asyncio.gather(*(self.recover(job, capped=False) for job in claimed))
+            woken += len(claimed)
 
     @property
     def _provision_wait(self) -> float:
@@ -464,11 +473,13 @@ class SandboxService:
             sandbox, state="running", started_at=now, expires_at=expires_at, updated_at=now
         )
 
-    async def recover(self, job: Job) -> None:
-        """Deliver a create job nobody finished (claimed by compare-and-swap)."""
+    async def recover(self, job: Job, *, capped: bool = True) -> None:
+        """Deliver a create job nobody finished (claimed by compare-and-swap). `capped`: a
+        job past `max_delivery_attempts` fails instead (recovery's poison-job guard)."""
         sandbox = await self.store.get_sandbox(job.sandbox_name)
         if (
-            sandbox is not None
+            capped
+            and sandbox is not None
             and sandbox.state == "pending"
             and (job.attempt > self.settings.max_delivery_attempts)
         ):

@@ -182,6 +182,13 @@ class WorkerRegistry:
         try:
             await self.store.set_worker_connected(WorkerName(session.worker), False, utcnow())
             await self.store.release_tunnel(session.worker, self.node_url)
+            newer = self.state.tunnels.get(session.worker)
+            if newer is not None and newer is not session:
+                # a new session of this worker started serving while we recorded the loss:
+                # its claim may have been undone by ours; record it again
+                now = utcnow()
+                await self.store.claim_tunnel(session.worker, self.node_url, now)
+                await self.store.set_worker_connected(WorkerName(session.worker), True, now)
         except Exception:
             log.exception("tunnel.detach_not_recorded", extra={"worker": session.worker})
         log.warning("tunnel.detached", extra={"worker": session.worker})
@@ -247,13 +254,15 @@ class WorkerRegistry:
 
         The link is asked (a ping) while the request still waits, PROBE_LEAD s before its
         end, so a loaded but live worker has time to answer and the verdict costs at most
-        PROBE_GRACE s past `wait`. Any frame from the worker during the wait also proves it.
+        PROBE_GRACE s past `wait`. Any frame from the worker after the ping was sent (its
+        answer, a heartbeat, another call's answer) proves the link.
         """
-        started = time.monotonic()
         probe: asyncio.Task[None] | None = None
+        asked_at = 0.0
 
         def ask() -> None:
-            nonlocal probe
+            nonlocal probe, asked_at
+            asked_at = time.monotonic()
             probe = asyncio.get_running_loop().create_task(
                 self._ping(session, PROBE_LEAD + PROBE_GRACE)
             )
@@ -263,13 +272,16 @@ class WorkerRegistry:
                 op, fields, payload, wait=wait, slow_after=max(0.0, wait - PROBE_LEAD), on_slow=ask
             )
         except SandboxTimeoutError:
-            if probe is None:  # a wait shorter than the lead: ask now
-                probe = asyncio.get_running_loop().create_task(self._ping(session, PROBE_LEAD))
-            if session.last_heartbeat <= started:
+            if probe is None:  # cannot happen (the lead is clamped), but never guess: ask now
+                ask()
+            assert probe is not None
+            # only a frame that came after the ping was sent proves the link carries frames
+            # now (one from before may predate a partition)
+            if session.last_heartbeat <= asked_at:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(probe), PROBE_GRACE)
-            if session.last_heartbeat > started:
-                raise  # the worker spoke meanwhile: the timeout is the sandbox's
+            if session.last_heartbeat > asked_at:
+                raise  # the worker answers: the timeout is the sandbox's
             raise await self.lost(session, f"no answer to {op!r} within {wait:g} s") from None
         finally:
             if probe is not None:

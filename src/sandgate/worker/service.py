@@ -24,6 +24,7 @@ from typing import Any
 
 from sandgate.agent.frames import Header
 from sandgate.errors import (
+    ConflictError,
     InvalidRequestError,
     NoCapacityError,
     NotFoundError,
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 AGENT_READY_TIMEOUT = 20.0
 TEARDOWN_RETRY_MIN = 0.5  # a stop that failed is tried again after this, doubling...
 TEARDOWN_RETRY_MAX = 30.0  # ...up to this
+TEARDOWN_WAIT = 10.0  # a provision waits this long for a teardown of its name or its slot
+SHUTDOWN_TEARDOWN_WAIT = 15.0  # a stopping worker waits this long for its teardowns
 DEFAULT_AGENT_CALL_TIMEOUT = 120.0
 
 Notify = Callable[[str, dict[str, Any]], Awaitable[None]]
@@ -113,14 +116,18 @@ class WorkerService:
         raise InvalidRequestError(f"unknown tunnel op {op!r}")
 
     async def provision(self, spec: SandboxSpec) -> LiveSandbox:
-        live = self.state.sandboxes.get(spec.name)
-        if live is not None:
-            log.info("sandbox.provision_repeat", extra={"sandbox": spec.name})
-            return live
-        pending = self.state.provisioning.get(spec.name)
-        if pending is not None:
-            log.info("sandbox.provision_repeat", extra={"sandbox": spec.name})
-            return await _outcome(spec.name, pending)
+        deadline = asyncio.get_running_loop().time() + TEARDOWN_WAIT
+        while True:
+            live = self.state.sandboxes.get(spec.name)
+            if live is not None:
+                log.info("sandbox.provision_repeat", extra={"sandbox": spec.name})
+                return live
+            pending = self.state.provisioning.get(spec.name)
+            if pending is not None:
+                log.info("sandbox.provision_repeat", extra={"sandbox": spec.name})
+                return await _outcome(spec.name, pending)
+            if not await self._wait_for_teardowns(spec.name, deadline):
+                break  # nothing to wait for (any more): a free slot, or at capacity
         held = len(self.state.sandboxes) + len(self.state.provisioning)
         if held + len(self.state.tearing_down) >= self.capacity:
             raise NoCapacityError(f"worker is at its capacity of {self.capacity} sandboxes")
@@ -135,6 +142,25 @@ class WorkerService:
         finally:
             if self.state.provisioning.get(spec.name) is start:
                 del self.state.provisioning[spec.name]
+
+    async def _wait_for_teardowns(self, name: str, deadline: float) -> bool:
+        """Wait (until `deadline`) for a teardown of this very name (its directory and
+        cgroups are named after it), or for any teardown when only teardowns hold the last
+        slots: the control plane counts a deleted sandbox free at once, and it soon is.
+        False when there was nothing to wait for."""
+        same = self.state.teardowns.get(name)
+        held = len(self.state.sandboxes) + len(self.state.provisioning)
+        full = held < self.capacity <= held + len(self.state.tearing_down)
+        waiting = [same] if same is not None else list(self.state.teardowns.values())
+        if (same is None and not full) or not waiting:
+            return False
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            if same is not None:
+                raise ConflictError(f"sandbox {name} is still being torn down on this worker")
+            return False
+        await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        return True
 
     async def _start_registered(self, spec: SandboxSpec) -> LiveSandbox:
         live = await self._start(spec)
@@ -186,15 +212,22 @@ class WorkerService:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, TEARDOWN_RETRY_MAX)
                     continue
-                del self.state.tearing_down[name]
+                if self.state.tearing_down.get(name) is live:
+                    del self.state.tearing_down[name]
                 log.info("sandbox.destroyed", extra={"sandbox": name})
         finally:
             self.state.teardowns.pop(name, None)
 
     async def destroy_all(self) -> None:
+        """Destroy everything, waiting at most SHUTDOWN_TEARDOWN_WAIT: what a stuck teardown
+        leaves is removed at the worker's next start (`Runtime.prepare`)."""
         names = {*self.state.sandboxes, *self.state.provisioning, *self.state.tearing_down}
-        if names:
-            await asyncio.gather(*(self.destroy(n) for n in names), return_exceptions=True)
+        if not names:
+            return
+        tasks = [asyncio.ensure_future(self.destroy(n)) for n in names]
+        _, stuck = await asyncio.wait(tasks, timeout=SHUTDOWN_TEARDOWN_WAIT)
+        if stuck:
+            log.error("worker.teardown_unfinished", extra={"sandboxes": len(stuck)})
 
     async def _start(self, spec: SandboxSpec) -> LiveSandbox:
         if self._tasks is None:
@@ -203,9 +236,9 @@ class WorkerService:
             log.critical("fault.hang_start", extra={"sandbox": spec.name})
             await asyncio.Event().wait()  # never ready; cancelled when the worker stops
         running = await self.runtime.start(spec)
+        live = LiveSandbox(running, AgentLink(spec.name, running.process))
         try:
-            link = AgentLink(spec.name, running.process)
-            live = LiveSandbox(running, link)
+            link = live.link
             self._tasks.create_task(self._watch(live))
             ready = asyncio.ensure_future(link.ready.wait())
             exited = asyncio.ensure_future(running.process.wait())
@@ -225,7 +258,9 @@ class WorkerService:
                 )
             return live
         except BaseException:
-            await asyncio.shield(self.runtime.stop(running))
+            # abandoned (a destroy, a dropped link) or failed: torn down durably, as a destroy
+            self._forget(live)
+            await asyncio.shield(self._teardown_task(spec.name))
             raise
 
     async def _watch(self, live: LiveSandbox) -> None:
@@ -244,7 +279,13 @@ class WorkerService:
         self._forget(live)
         code = live.running.process.returncode
         log.warning("sandbox.died", extra={"sandbox": live.name, "code": code})
-        await asyncio.shield(self._teardown_task(live.name))
+        teardown = self._teardown_task(live.name)
+        try:
+            await self._report_exit(live, code)  # told now, not once the teardown is done
+        finally:
+            await asyncio.shield(teardown)
+
+    async def _report_exit(self, live: LiveSandbox, code: int | None) -> None:
         task = asyncio.current_task()
         if self.notify is None or (task is not None and task.cancelling() > 0):
             return  # shutting down, or no tunnel: the next hello reports it gone

@@ -119,3 +119,36 @@ def test_a_stopping_worker_finishes_the_destroys_it_had_begun(runtime: BwrapRunt
 
     asyncio.run(main())
     assert leftovers(runtime, names) == {}
+
+
+def test_a_provision_waits_for_the_teardown_holding_its_slot_or_its_name(
+    runtime: BwrapRuntime,
+) -> None:
+    """The control plane counts a deleted sandbox free at once; the worker frees it a moment
+    later. A create in that moment waits for it instead of answering no_capacity, and a
+    redelivered name waits for its own teardown instead of sharing its directory."""
+    service = WorkerService(runtime, capacity=1, state=WorkerLocalState())
+    first, second = f"sb-a-{secrets.token_hex(2)}", f"sb-b-{secrets.token_hex(2)}"
+
+    async def body() -> None:
+        await service.provision(SandboxSpec(name=first))
+        request = asyncio.create_task(service.destroy(first))
+        await asyncio.sleep(0)  # the teardown has begun
+        live = await service.provision(SandboxSpec(name=second))  # the only slot: waited for
+        assert live.name == second
+        assert not service.state.tearing_down
+        await request
+        request = asyncio.create_task(service.destroy(second))
+        await asyncio.sleep(0)
+        again = await service.provision(SandboxSpec(name=second))  # the same name, fresh
+        await request
+        assert service.state.sandboxes[second] is again
+        assert (runtime.sandboxes_dir / second / "workspace").is_dir()
+        assert await service.destroy(second)
+
+    async def main() -> None:
+        await runtime.prepare()
+        await service.run(body)
+
+    asyncio.run(main())
+    assert leftovers(runtime, [first, second]) == {}
