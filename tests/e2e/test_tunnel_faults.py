@@ -24,7 +24,13 @@ import httpx
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.integration.api.conftest import RUNTIME, Deployment, start_deployment, wait_until
+from tests.integration.api.conftest import (
+    RUNTIME,
+    Deployment,
+    start_deployment,
+    tear_down,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.slow]
 
@@ -55,13 +61,7 @@ def _flaky(tmp_path: Path, *server_args: str) -> Iterator[tuple[Deployment, Faul
             dep.start_worker(server_url=proxy.url)
             yield dep, proxy
         finally:
-            dep.stop()
-            shutil.rmtree(dep.state_dir, ignore_errors=True)
-            for name in ("server.log", "worker-w1.log"):
-                path = dep.data_dir / name
-                if path.exists():
-                    tail = path.read_text(errors="replace").splitlines()[-30:]
-                    print(f"\n--- {name} (tail) ---\n" + "\n".join(tail))  # noqa: T201
+            tear_down(dep, lines=30)
 
 
 @dataclass

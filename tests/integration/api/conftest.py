@@ -180,13 +180,18 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     try:
         yield dep
     finally:
-        dep.stop()
-        shutil.rmtree(dep.state_dir, ignore_errors=True)
-        for name in ("server.log", "worker-w1.log"):
-            path = dep.data_dir / name
-            if path.exists():
-                sys.stderr.write(f"\n--- {name} (tail) ---\n")
-                sys.stderr.write("\n".join(path.read_text(errors="replace").splitlines()[-40:]))
+        tear_down(dep)
+
+
+def tear_down(dep: Deployment, lines: int = 40) -> None:
+    """Stop the deployment, remove its worker state, show the tail of its logs."""
+    dep.stop()
+    shutil.rmtree(dep.state_dir, ignore_errors=True)
+    for name in ("server.log", "worker-w1.log"):
+        path = dep.data_dir / name
+        if path.exists():
+            sys.stderr.write(f"\n--- {name} (tail) ---\n")
+            sys.stderr.write("\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
 
 
 @pytest.fixture
