@@ -6,6 +6,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sandgate.core.caps import ResourceCaps
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -22,6 +24,8 @@ class ServerSettings(_Frozen):
     default_timeout: float = 300.0  # seconds of life when a create names none
     max_timeout: float = 24 * 3600.0
     start_timeout: float = 30.0  # provision must answer within this
+    # what one sandbox may hold: the operator's caps and the defaults (sandgate.core.caps)
+    caps: ResourceCaps = ResourceCaps()
     reaper_interval: float = 1.0
     # execute
     default_exec_timeout: float = 30.0

@@ -4,7 +4,8 @@ SandgateError                      code, message (both shown to the user)
 ├── InvalidRequestError            the request cannot be served as written (400/422)
 │   ├── IdempotencyMismatchError   same Idempotency-Key, different body (422)
 │   ├── PathOutsideSandboxError    a file path leaves the sandbox (403)
-│   └── NetworkUnavailableError    network asked for, worker cannot give it safely (422)
+│   ├── NetworkUnavailableError    network asked for, worker cannot give it safely (422)
+│   └── ResourceCapError           resources above the operator's cap; carries cap, value (422)
 ├── AuthError                      missing or unknown credentials (401)
 ├── NotFoundError                  no such sandbox/file for this tenant (404)
 ├── ConflictError                  the target exists or is in the wrong state (409)
@@ -48,6 +49,17 @@ class PathOutsideSandboxError(InvalidRequestError):
 
 class NetworkUnavailableError(InvalidRequestError):
     code = "network_unavailable"
+
+
+class ResourceCapError(InvalidRequestError):
+    """A sandbox asked for more than the operator allows; `cap` names it, `value` is it."""
+
+    code = "resource_cap_exceeded"
+
+    def __init__(self, message: str, *, cap: str, value: float) -> None:
+        super().__init__(message)
+        self.cap = cap
+        self.value = value
 
 
 class AuthError(SandgateError):

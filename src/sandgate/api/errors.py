@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 _STATUS: tuple[tuple[type[e.SandgateError], int], ...] = (
     (e.IdempotencyMismatchError, 422),
     (e.NetworkUnavailableError, 422),
+    (e.ResourceCapError, 422),
     (e.PathOutsideSandboxError, 403),
     (e.InvalidRequestError, 400),
     (e.AuthError, 401),
@@ -79,6 +80,9 @@ async def _domain(request: Request, exc: Exception) -> JSONResponse:
         extra["limit"] = exc.limit
     elif isinstance(exc, e.StoreError):
         headers = {"Retry-After": "1"}
+    elif isinstance(exc, e.ResourceCapError):
+        extra["limit"] = exc.cap
+        extra["max"] = f"{exc.value:g}"
     if status >= 500:
         log.warning("request.failed", extra={"code": exc.code, "error": exc.message})
     return error_response(status, exc.code, exc.message, headers, **extra)

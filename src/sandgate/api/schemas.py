@@ -16,9 +16,12 @@ class _In(BaseModel):
 
 
 class Resources(_In):
-    memory_mb: int = Field(default=512, ge=16, le=65536)
-    cpus: float = Field(default=1.0, gt=0, le=64)
-    pids: int = Field(default=256, ge=8, le=100_000)
+    """What the sandbox asks for; left out, the deployment's default. Above the operator's
+    cap (`sandgate server --max-memory-mb/--max-cpus/--max-pids`): 422 naming the cap."""
+
+    memory_mb: int | None = Field(default=None, ge=16, le=1 << 20)
+    cpus: float | None = Field(default=None, gt=0, le=1024)
+    pids: int | None = Field(default=None, ge=8, le=1 << 22)
 
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")

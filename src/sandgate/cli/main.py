@@ -267,6 +267,29 @@ def server(
             help="seconds the breaker stays open before a trial",
         ),
     ] = 60.0,
+    max_memory_mb: Annotated[
+        int,
+        typer.Option(envvar="SANDGATE_MAX_MEMORY_MB", min=16, help="cap per sandbox (MiB)"),
+    ] = 4096,
+    max_cpus: Annotated[
+        float, typer.Option(envvar="SANDGATE_MAX_CPUS", min=0.01, help="cap per sandbox")
+    ] = 4.0,
+    max_pids: Annotated[
+        int, typer.Option(envvar="SANDGATE_MAX_PIDS", min=8, help="cap per sandbox")
+    ] = 1024,
+    default_memory_mb: Annotated[
+        int,
+        typer.Option(
+            envvar="SANDGATE_DEFAULT_MEMORY_MB", min=16, help="a sandbox that asks for none"
+        ),
+    ] = 512,
+    default_cpus: Annotated[
+        float,
+        typer.Option(envvar="SANDGATE_DEFAULT_CPUS", min=0.01, help="a sandbox that asks none"),
+    ] = 1.0,
+    default_pids: Annotated[
+        int, typer.Option(envvar="SANDGATE_DEFAULT_PIDS", min=8, help="a sandbox that asks none")
+    ] = 256,
     admission: Annotated[
         bool,
         typer.Option(
@@ -281,6 +304,7 @@ def server(
     from sandgate import faults
     from sandgate.cli.serve import make_server
     from sandgate.config import ServerSettings
+    from sandgate.core.caps import ResourceCaps
     from sandgate.store.migrate import async_url
 
     logs.setup(log_level)
@@ -300,10 +324,21 @@ def server(
                 "on PostgreSQL all instances share one secret: give each the same --secret-file",
                 param_hint="--secret-file",
             )
+    resource_caps = ResourceCaps(
+        max_memory_mb=max_memory_mb,
+        max_cpus=max_cpus,
+        max_pids=max_pids,
+        default_memory_mb=default_memory_mb,
+        default_cpus=default_cpus,
+        default_pids=default_pids,
+    )
+    if problem := resource_caps.problem():
+        raise typer.BadParameter(f"{problem}: lower the default or raise the cap")
     _refuse_second_sqlite_instance(db)
     with _runner() as runner:
         runner.run(_prepare_db(db))
     settings = ServerSettings(
+        caps=resource_caps,
         db_url=db,
         host=host,
         port=port,

@@ -19,6 +19,7 @@ from sandgate.api.schemas import (
 )
 from sandgate.control.replies import ExecReply, parse
 from sandgate.control.sandboxes import CreateRequest
+from sandgate.core import caps
 from sandgate.core.output import decode_output, split_output
 from sandgate.errors import InvalidRequestError, WorkerError
 from sandgate.store.base import Sandbox, SandboxFilter, SandboxName, TenantId
@@ -70,14 +71,16 @@ async def create_sandbox(
     timeout = body.timeout if body.timeout is not None else svc.settings.default_timeout
     if timeout > svc.settings.max_timeout:
         raise InvalidRequestError(f"timeout is at most {svc.settings.max_timeout:g} seconds")
+    resources = caps.resolve(body.resources.model_dump(), svc.settings.caps)
     request = CreateRequest(
         template=body.template,
         timeout=timeout,
         metadata=body.metadata,
         env=body.env,
         network=body.network,
-        resources=body.resources.model_dump(),
-        body=body.model_dump(mode="json") | {"timeout": timeout},
+        resources=resources,
+        # fingerprinted with what it gets: a retry naming the defaults is the same request
+        body=body.model_dump(mode="json") | {"timeout": timeout, "resources": resources},
     )
     result = await svc.sandboxes.create(who, request, idempotency_key, http.is_disconnected)
     if result.replayed:
