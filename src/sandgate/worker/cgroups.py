@@ -35,7 +35,10 @@ TOP = "sandgate"
 
 # A tiny sh that moves itself into each cgroup, then execs the rest of its argv.
 # argv: sh -c JOIN_SCRIPT sandgate-join N procs_1 .. procs_N cmd args...
+# sh exports PWD (its cwd) to what it execs even when started without one; unset it, so the
+# command gets exactly the environment the caller gave sh.
 JOIN_SCRIPT = (
+    "unset PWD OLDPWD; "
     'n=$1; shift; while [ "$n" -gt 0 ]; do '
     'echo $$ > "$1" || { echo "sandgate: cannot join cgroup $1" >&2; exit 97; }; '
     'shift; n=$((n - 1)); done; exec "$@"'

@@ -4,7 +4,8 @@ Default action ALLOW; EPERM for syscalls a sandbox never needs and that widen th
 attack surface or could undo the isolation (mounts, namespaces, ptrace, bpf, io_uring, keys,
 kernel modules, device nodes, ...). `clone` is refused only when it asks for a new namespace
 (one MASKED_EQ rule per CLONE_NEW* flag); `clone3` answers ENOSYS so glibc falls back to
-`clone`, whose flags the filter can see (clone3 passes them in memory).
+`clone`, whose flags the filter can see (clone3 passes them in memory). `socket` and
+`socketpair` answer EAFNOSUPPORT for every address family but `ALLOWED_FAMILIES`.
 
 The program is exported once as raw BPF (what `bwrap --seccomp FD` reads) and written to a
 file; every sandbox gets a fresh read-only fd of that file.
@@ -16,12 +17,15 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import socket
 from pathlib import Path
 
 from sandgate.errors import WorkerError
 
 SCMP_ACT_ALLOW = 0x7FFF0000
+SCMP_CMP_GT = 6
 SCMP_CMP_MASKED_EQ = 7
+ARG_MASK = (1 << 64) - 1
 NR_SCMP_ERROR = -1
 
 
@@ -91,6 +95,41 @@ CLONE_NS_FLAGS: tuple[int, ...] = (
     CLONE_NEWNET,
     CLONE_NEWCGROUP,
 )
+
+# Address families a sandbox may open sockets of: an allowlist, because the kernel keeps adding
+# families and each is its own protocol code (AF_VSOCK reaches the hypervisor, AF_PACKET,
+# AF_ALG, AF_KEY, AF_RDS, AF_TIPC, AF_XDP, AF_CAN, AF_BLUETOOTH... have all had exploitable
+# bugs), while sandboxed programs need only these four: local sockets, IPv4, IPv6, and netlink
+# (glibc's getaddrinfo/getifaddrs and `ip` read the sandbox's own interfaces over
+# NETLINK_ROUTE). Any other value, including one with bits above the int the kernel reads,
+# answers EAFNOSUPPORT, as for a family this kernel was built without. (socketcall(2), the
+# multiplexer of some 32-bit ABIs, hides its arguments in memory; those ABIs are killed.)
+ALLOWED_FAMILIES: tuple[int, ...] = (
+    socket.AF_UNIX,
+    socket.AF_INET,
+    socket.AF_INET6,
+    socket.AF_NETLINK,
+)
+SOCKET_SYSCALLS = ("socket", "socketpair")
+
+
+def refused_family_blocks(allowed: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(mask, value) pairs such that a 64-bit first argument is outside `allowed` exactly when
+    `arg & mask == value` for one pair, or `arg > max(allowed)`.
+
+    libseccomp takes one comparison per argument in a rule and ORs the rules of one action,
+    so each gap below an allowed value is cut into aligned power-of-two blocks."""
+    blocks: list[tuple[int, int]] = []
+    lo = 0
+    for end in sorted(set(allowed)):  # the gap is [lo, end)
+        while lo < end:
+            size = lo & -lo if lo else 1 << 64
+            while lo + size > end:
+                size >>= 1
+            blocks.append((ARG_MASK & ~(size - 1), lo))
+            lo += size
+        lo = end + 1
+    return blocks
 
 
 class _ArgCmp(ctypes.Structure):
@@ -170,6 +209,14 @@ def export_bpf() -> bytes:
         clone3 = resolve("clone3")
         if clone3 is not None:
             add(SCMP_ACT_ERRNO(errno.ENOSYS), clone3, [])
+        refuse_family = SCMP_ACT_ERRNO(errno.EAFNOSUPPORT)
+        for name in SOCKET_SYSCALLS:
+            nr = resolve(name)
+            if nr is None:
+                raise WorkerError(f"libseccomp does not know the {name} syscall")
+            add(refuse_family, nr, [_ArgCmp(0, SCMP_CMP_GT, max(ALLOWED_FAMILIES), 0)])
+            for mask, value in refused_family_blocks(ALLOWED_FAMILIES):
+                add(refuse_family, nr, [_ArgCmp(0, SCMP_CMP_MASKED_EQ, mask, value)])
 
         fd = os.memfd_create("sandgate-seccomp", os.MFD_CLOEXEC)
         try:

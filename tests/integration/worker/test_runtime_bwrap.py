@@ -350,6 +350,106 @@ def test_namespaces_mounts_ptrace_and_dangerous_syscalls_are_refused(rt: BwrapRu
     assert r["bash"] == "42"
 
 
+SOCKET_PROBE = r"""
+import ctypes, errno, json, platform, socket
+libc = ctypes.CDLL(None, use_errno=True)
+r = {"families": {}}
+
+def name(e):
+    return errno.errorcode.get(e, str(e))
+
+def attempt(fn):
+    try:
+        fn().close()
+        return "ok"
+    except OSError as e:
+        return name(e.errno)
+
+def pair(family):
+    a, b = socket.socketpair(family, socket.SOCK_STREAM)
+    b.close()
+    return a
+
+for family in range(64):
+    r["families"][family] = attempt(lambda: socket.socket(family, socket.SOCK_DGRAM))
+r["vsock_stream"] = attempt(lambda: socket.socket(40, socket.SOCK_STREAM))
+r["socketpair_vsock"] = attempt(lambda: pair(40))
+r["socketpair_unix"] = attempt(lambda: pair(socket.AF_UNIX))
+if platform.machine() == "x86_64":  # socket(2) is 41: bits above the int are refused too
+    for key, family in (("vsock_high_bits", (1 << 32) | 40), ("inet_high_bits", (1 << 32) | 2)):
+        fd = libc.syscall(41, ctypes.c_long(family), socket.SOCK_STREAM, 0)
+        r[key] = name(ctypes.get_errno()) if fd < 0 else "ok"
+# what must keep working: TCP over the sandbox's lo, AF_UNIX, netlink (if_nameindex)
+srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+srv.bind(("127.0.0.1", 0))
+srv.listen(1)
+cli = socket.create_connection(srv.getsockname())
+conn, _ = srv.accept()
+cli.sendall(b"ping")
+r["tcp"] = conn.recv(4).decode()
+u1, u2 = socket.socketpair()
+u1.sendall(b"pong")
+r["unix"] = u2.recv(4).decode()
+r["interfaces"] = [n for _, n in socket.if_nameindex()]
+print(json.dumps(r))
+"""
+
+
+def test_socket_families_outside_the_allowlist_are_refused(rt: BwrapRuntime) -> None:
+    r = run(rt, py(SOCKET_PROBE)).json()
+    allowed = {socket.AF_UNIX, socket.AF_INET, socket.AF_INET6, socket.AF_NETLINK}
+    for family, outcome in r["families"].items():
+        if int(family) in allowed:
+            assert outcome == "ok", (family, r)
+        else:  # AF_VSOCK (40), AF_PACKET (17), AF_ALG (38), AF_KEY (15), AF_XDP (44), ...
+            assert outcome == "EAFNOSUPPORT", (family, r)
+    assert r["vsock_stream"] == "EAFNOSUPPORT", r
+    assert r["socketpair_vsock"] == "EAFNOSUPPORT", r
+    assert r["socketpair_unix"] == "ok", r
+    if "vsock_high_bits" in r:
+        assert r["vsock_high_bits"] == r["inet_high_bits"] == "EAFNOSUPPORT", r
+    assert r["tcp"] == "ping"
+    assert r["unix"] == "pong"
+    assert r["interfaces"] == ["lo"]
+
+
+PID1_PROBE = r"""
+import json, os, sys
+print(json.dumps({
+    "environ": open("/proc/1/environ", "rb").read().decode(errors="replace"),
+    "self_environ": open("/proc/self/environ", "rb").read().decode(errors="replace"),
+}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_pid1_environment_holds_nothing_of_the_host(
+    rt: BwrapRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a worker started from its state dir: neither that path nor a PWD may reach pid 1
+    monkeypatch.chdir(rt.state_dir)
+
+    async def main() -> None:
+        sb = await rt.start(SandboxSpec(name=uniq("e")), argv=py(PID1_PROBE))
+        try:
+            r = json.loads(await readline(sb))
+            host_environ = proc_file(sb.process.pid, "environ")
+            host_cwd = os.readlink(f"/proc/{sb.process.pid}/cwd")
+        finally:
+            await rt.stop(sb)
+        # documented in bwrap.py: the chain from the worker to bwrap's pid 1 has no variables
+        assert r["environ"] == "", r
+        assert "PWD=" not in r["environ"]
+        assert str(rt.state_dir) not in r["environ"] + r["self_environ"]
+        # the command's: bwrap's --setenv list, plus the PWD of its --chdir
+        assert "PWD=/workspace\0" in r["self_environ"]
+        # on the host, the outer bwrap runs in / with nothing of the worker's environment
+        assert host_environ == b""
+        assert host_cwd == "/"
+
+    asyncio.run(main())
+
+
 FS_PROBE = r"""
 import errno, json, os, sys
 r = {"write": {}, "exists": {}}

@@ -15,6 +15,11 @@ Per sandbox (see docs/decisions/0001-bwrap-runtime.md for why):
 
 Process chain: worker -> sh (joins cgroups) -exec-> setpriv -exec-> bwrap (outer, the
 `process` returned) -> bwrap's pid-1 reaper -> the agent (or a probe ``argv``).
+
+The chain starts in ``/`` with an empty environment: bwrap's pid 1 keeps the environment and
+cwd it was started with (``--clearenv`` and ``--chdir`` apply only to the command), and a
+sandbox reads it in ``/proc/1/environ``. None of the chain needs a variable (every program is
+an absolute path; bwrap looks the command up in the sandbox's ``PATH``).
 """
 
 from __future__ import annotations
@@ -377,7 +382,8 @@ class BwrapRuntime:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log_fd,
                 pass_fds=(seccomp_fd, args_fd),
-                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+                cwd="/",  # not the worker's: the host path must not reach pid 1 or pin a mount
+                env={},  # pid 1's /proc/1/environ: nothing of the host (see the docstring)
                 start_new_session=True,  # the worker's terminal signals must not reach it
             )
         except BaseException as exc:
