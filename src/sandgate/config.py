@@ -29,6 +29,9 @@ class ServerSettings(_Frozen):
     reaper_interval: float = 1.0
     # execute
     default_exec_timeout: float = 30.0
+    # finished exec jobs (with their output) are deleted this long after they end, and at
+    # once (the next recovery tick) when their sandbox is gone
+    exec_job_retention: float = 24 * 3600.0
     max_exec_timeout: float = 3600.0
     # bodies
     max_json_bytes: int = 2 << 20  # JSON request bodies (code included)

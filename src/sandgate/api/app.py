@@ -85,6 +85,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                     interval=settings.recovery_interval,
                     orphan_after=settings.orphan_intervals * settings.recovery_interval
                     + settings.orphan_grace,
+                    exec_job_retention=settings.exec_job_retention,
                 ).run()
             ),
         ]

@@ -124,15 +124,15 @@ class CreateExecJob(_RunOptions):
     command: str = Field(min_length=1)
 
 
-class ExecJobOut(BaseModel):
+class ExecJobSummary(BaseModel):
+    """An exec job as lists show it: everything but its output."""
+
     id: str
     sandbox: str
     state: Literal["queued", "running", "succeeded", "failed"]
     command: str
     timeout: float
     exit_code: int | None = None
-    stdout: str = ""
-    stderr: str = ""
     stdout_truncated: bool = False
     stderr_truncated: bool = False
     error: str | None = None
@@ -141,8 +141,14 @@ class ExecJobOut(BaseModel):
     finished_at: datetime | None = None
 
 
+class ExecJobOut(ExecJobSummary):
+    stdout: str = ""
+    stderr: str = ""
+
+
 class ExecJobList(BaseModel):
-    exec_jobs: list[ExecJobOut]
+    exec_jobs: list[ExecJobSummary]
+    next_cursor: str | None = None
 
 
 class FileEntry(BaseModel):

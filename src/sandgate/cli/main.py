@@ -267,6 +267,15 @@ def server(
             help="seconds the breaker stays open before a trial",
         ),
     ] = 60.0,
+    exec_job_retention: Annotated[
+        float,
+        typer.Option(
+            envvar="SANDGATE_EXEC_JOB_RETENTION",
+            min=1.0,
+            help="seconds a finished exec job (and its output) is kept; deleted at once when "
+            "its sandbox is gone",
+        ),
+    ] = 24 * 3600.0,
     max_memory_mb: Annotated[
         int,
         typer.Option(envvar="SANDGATE_MAX_MEMORY_MB", min=16, help="cap per sandbox (MiB)"),
@@ -339,6 +348,7 @@ def server(
         runner.run(_prepare_db(db))
     settings = ServerSettings(
         caps=resource_caps,
+        exec_job_retention=exec_job_retention,
         db_url=db,
         host=host,
         port=port,

@@ -472,7 +472,8 @@ class Sandbox(SandboxInfo):
         return _ExecJobs(self._api).get(job_id)
 
     def list_exec_jobs(self, limit: int = 100) -> builtins.list[ExecJob]:
-        """This sandbox's exec jobs, newest first, at most `limit` (1-1000)."""
+        """This sandbox's exec jobs, newest first, at most `limit` (1-1000), without their
+        output (`stdout`, `stderr` empty): `get_exec_job` reads one with it."""
         return _ExecJobs(self._api).list(self.name, limit)
 
     def wait_exec_job(

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sandgate.config import ServerSettings
@@ -223,10 +223,18 @@ class ExecJobService:
         return job
 
     async def list_jobs(
-        self, tenant: TenantId, name: str, limit: int = LIST_LIMIT
+        self,
+        tenant: TenantId,
+        name: str,
+        limit: int = LIST_LIMIT,
+        *,
+        before: tuple[datetime, ExecJobId] | None = None,
     ) -> list[ExecJob]:
+        """Newest first, without output; `before` (created_at, id) of the last one seen."""
         sandbox = await self.sandboxes.get(tenant, name)  # 404 for another tenant's sandbox
-        return await self.store.list_exec_jobs(tenant, SandboxName(sandbox.name), limit)
+        return await self.store.list_exec_jobs(
+            tenant, SandboxName(sandbox.name), limit, before=before
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def fail_leftovers(self) -> int:

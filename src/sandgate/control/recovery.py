@@ -7,7 +7,9 @@ between. Each tick claims pending jobs untouched for `after` seconds by compare-
 
 Each tick also renews this instance's heartbeat in the store, and fails the unfinished exec
 jobs of instances whose heartbeat is older than `orphan_after` seconds: a command may have
-had side effects, so it is never re-run, only reported failed with a reason.
+had side effects, so it is never re-run, only reported failed with a reason. And it deletes
+finished exec jobs (their output with them) past `exec_job_retention`, or whose sandbox is
+gone, so the table does not grow without bound.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from sandgate.store.base import OVERDUE_EXEC_JOB, Store
 log = logging.getLogger(__name__)
 
 CLAIM_BATCH = 20
+SWEEP_BATCH = 500  # exec jobs deleted per tick at most (past retention, or sandbox gone)
 
 
 class Recovery:
@@ -37,6 +40,7 @@ class Recovery:
         interval: float,
         orphan_after: float | None = None,
         tick_timeout: float = 120.0,
+        exec_job_retention: float = 24 * 3600.0,
     ) -> None:
         self.sandboxes = sandboxes
         self.store = store
@@ -44,6 +48,7 @@ class Recovery:
         self.after = after
         self.interval = interval
         self.tick_timeout = tick_timeout
+        self.exec_job_retention = exec_job_retention
         # an instance silent this long is dead (default: 3 intervals + 30 s)
         self.orphan_after = orphan_after if orphan_after is not None else 3 * interval + 30.0
 
@@ -75,6 +80,11 @@ class Recovery:
         if orphaned:
             log.warning("recovery.exec_jobs_orphaned", extra={"jobs": orphaned})
         await self._fail_overdue_exec_jobs(now)
+        swept = await self.store.sweep_exec_jobs(
+            now - timedelta(seconds=self.exec_job_retention), SWEEP_BATCH
+        )
+        if swept:
+            log.info("recovery.exec_jobs_swept", extra={"jobs": swept})
         claimed = await self.store.claim_stale_jobs(
             now - timedelta(seconds=self.after), self.node_url, now, CLAIM_BATCH
         )

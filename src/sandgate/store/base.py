@@ -243,9 +243,18 @@ class Store(Protocol):
     # With `max_active`, as insert_sandbox's `max_live` for queued + running exec jobs.
     async def insert_exec_job(self, job: ExecJob, *, max_active: int | None = None) -> None: ...
     async def get_exec_job(self, tenant_id: TenantId, job_id: ExecJobId) -> ExecJob | None: ...
+    # newest first, without output (stdout/stderr empty); `before` (created_at, id) pages on
     async def list_exec_jobs(
-        self, tenant_id: TenantId, sandbox_name: SandboxName, limit: int
-    ) -> list[ExecJob]: ...  # newest first
+        self,
+        tenant_id: TenantId,
+        sandbox_name: SandboxName,
+        limit: int,
+        *,
+        before: tuple[datetime, ExecJobId] | None = None,
+    ) -> list[ExecJob]: ...
+    # finished jobs ended before `ended_before` or of a sandbox no longer pending/running,
+    # deleted with their output, at most `limit`; returns how many
+    async def sweep_exec_jobs(self, ended_before: datetime, limit: int) -> int: ...
     async def find_exec_job_by_digest(self, tenant_id: TenantId, digest: str) -> ExecJob | None: ...
     # `deadline`: when the job must have finished (started + timeout), for the overdue sweep
     async def start_exec_job(

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 from sqlalchemy import (
     ColumnElement,
     Row,
+    and_,
     bindparam,
     case,
     delete,
@@ -282,14 +283,43 @@ _SELECT_EXEC_JOB_BY_DIGEST = select(exec_jobs).where(
     exec_jobs.c.tenant_id == bindparam("b_tenant_id"),
     exec_jobs.c.digest == bindparam("b_digest"),
 )
+# lists never carry output (a job's output is read one job at a time): every column but it
+_EXEC_JOB_SUMMARY = [c for c in exec_jobs.c if c.name not in ("stdout", "stderr")]
 _LIST_EXEC_JOBS = (
-    select(exec_jobs)
+    select(*_EXEC_JOB_SUMMARY)
     .where(
         exec_jobs.c.sandbox_name == bindparam("b_sandbox_name"),
         exec_jobs.c.tenant_id == bindparam("b_tenant_id"),
     )
     .order_by(exec_jobs.c.created_at.desc(), exec_jobs.c.id.desc())
     .limit(bindparam("b_limit"))
+)
+_LIST_EXEC_JOBS_AFTER = _LIST_EXEC_JOBS.where(
+    or_(
+        exec_jobs.c.created_at < bindparam("b_before_at"),
+        and_(
+            exec_jobs.c.created_at == bindparam("b_before_at"),
+            exec_jobs.c.id < bindparam("b_before_id"),
+        ),
+    )
+)
+# finished jobs past their retention, or of a sandbox that is gone: deleted with their output
+_SWEEP_EXEC_JOBS = delete(exec_jobs).where(
+    exec_jobs.c.id.in_(
+        select(exec_jobs.c.id)
+        .where(
+            exec_jobs.c.state.in_(("succeeded", "failed")),
+            or_(
+                exec_jobs.c.finished_at < bindparam("b_ended_before"),
+                ~exists().where(
+                    sandboxes.c.name == exec_jobs.c.sandbox_name,
+                    sandboxes.c.state.in_(("pending", "running")),
+                ),
+            ),
+        )
+        .limit(bindparam("b_limit"))
+        .scalar_subquery()
+    )
 )
 _START_EXEC_JOB = (
     update(exec_jobs)
@@ -512,7 +542,8 @@ def _worker(row: Row[Any]) -> Worker:
     )
 
 
-def _exec_job(row: Row[Any]) -> ExecJob:
+def _exec_job(row: Row[Any], *, output: bool = True) -> ExecJob:
+    """`output=False`: a listed job, read without its output (left empty)."""
     return ExecJob(
         id=ExecJobId(row.id),
         tenant_id=TenantId(row.tenant_id),
@@ -525,8 +556,8 @@ def _exec_job(row: Row[Any]) -> ExecJob:
         digest=row.digest,
         fingerprint=row.fingerprint,
         exit_code=row.exit_code,
-        stdout=row.stdout,
-        stderr=row.stderr,
+        stdout=row.stdout if output else "",
+        stderr=row.stderr if output else "",
         stdout_truncated=bool(row.stdout_truncated),
         stderr_truncated=bool(row.stderr_truncated),
         error=row.error,
@@ -1082,16 +1113,35 @@ class SqlStore(AdmissionQueries):
 
     @_store_op
     async def list_exec_jobs(
-        self, tenant_id: TenantId, sandbox_name: SandboxName, limit: int
+        self,
+        tenant_id: TenantId,
+        sandbox_name: SandboxName,
+        limit: int,
+        *,
+        before: tuple[datetime, ExecJobId] | None = None,
     ) -> list[ExecJob]:
         if limit <= 0:
             return []
-        rows = await self._fetch_all(
-            _LIST_EXEC_JOBS,
-            {"b_sandbox_name": sandbox_name, "b_tenant_id": tenant_id, "b_limit": limit},
-        )
-        found = [_exec_job(r) for r in rows]
+        params: dict[str, Any] = {
+            "b_sandbox_name": sandbox_name,
+            "b_tenant_id": tenant_id,
+            "b_limit": limit,
+        }
+        statement = _LIST_EXEC_JOBS
+        if before is not None:
+            statement = _LIST_EXEC_JOBS_AFTER
+            params |= {"b_before_at": before[0], "b_before_id": before[1]}
+        rows = await self._fetch_all(statement, params)
+        found = [_exec_job(r, output=False) for r in rows]
         return [j for j in found if j.tenant_id == tenant_id and j.sandbox_name == sandbox_name]
+
+    @_store_op
+    async def sweep_exec_jobs(self, ended_before: datetime, limit: int) -> int:
+        """Delete finished exec jobs that ended before `ended_before`, or whose sandbox is
+        gone; at most `limit` per call. Returns how many."""
+        return await self._write(
+            _SWEEP_EXEC_JOBS, {"b_ended_before": ended_before, "b_limit": limit}
+        )
 
     @_store_op
     async def find_exec_job_by_digest(self, tenant_id: TenantId, digest: str) -> ExecJob | None:

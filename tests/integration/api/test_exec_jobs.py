@@ -132,7 +132,8 @@ def test_list_newest_first(alpha: httpx.Client, sandbox: str) -> None:
     assert listed.status_code == 200, listed.text
     jobs = listed.json()["exec_jobs"]
     assert [j["id"] for j in jobs][:3] == list(reversed(ids))
-    assert [j["stdout"] for j in jobs][:3] == ["2\n", "1\n", "0\n"]
+    assert all("stdout" not in j for j in jobs)  # lists carry no output
+    assert [wait_done(alpha, j)["stdout"] for j in reversed(ids)] == ["2\n", "1\n", "0\n"]
     limited = alpha.get(f"/api/v1/sandboxes/{sandbox}/exec-jobs", params={"limit": 1})
     assert [j["id"] for j in limited.json()["exec_jobs"]] == [ids[-1]]
 
@@ -145,3 +146,42 @@ def test_bad_requests(alpha: httpx.Client, sandbox: str, deployment: Deployment)
     bad_key = submit(alpha, sandbox, {"command": "true"}, key="has space")
     assert bad_key.status_code == 400
     assert submit(alpha, "sb-nope", {"command": "true"}).status_code == 404
+
+
+def test_lists_carry_no_output_and_page_by_cursor(alpha: httpx.Client, sandbox: str) -> None:
+    ids = []
+    for i in range(5):
+        r = submit(
+            alpha, sandbox, {"command": f"head -c 100000 /dev/zero | tr '\\\\0' x; echo {i}"}
+        )
+        assert r.status_code == 202, r.text
+        ids.append(r.json()["id"])
+    for job_id in ids:
+        assert len(wait_done(alpha, job_id)["stdout"]) > 100_000  # the job has its output
+    seen: list[str] = []
+    cursor = None
+    while True:
+        params: dict[str, Any] = {"limit": 2}
+        if cursor:
+            params["cursor"] = cursor
+        page = alpha.get(f"/api/v1/sandboxes/{sandbox}/exec-jobs", params=params).json()
+        assert all("stdout" not in j and "stderr" not in j for j in page["exec_jobs"])
+        seen += [j["id"] for j in page["exec_jobs"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert set(ids) <= set(seen) and len(seen) == len(set(seen))
+    bad = alpha.get(f"/api/v1/sandboxes/{sandbox}/exec-jobs", params={"cursor": "nope"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_cursor"
+
+
+def test_jobs_and_their_output_go_with_their_sandbox(alpha: httpx.Client) -> None:
+    name = alpha.post("/api/v1/sandboxes", json={}).json()["name"]
+    job = submit(alpha, name, {"command": "echo kept until the sandbox goes"}).json()
+    assert wait_done(alpha, job["id"])["state"] == "succeeded"
+    assert alpha.delete(f"/api/v1/sandboxes/{name}").status_code == 204
+    deadline = time.monotonic() + 30  # the next recovery tick (every 5 s) deletes it
+    while alpha.get(f"/api/v1/exec-jobs/{job['id']}").status_code == 200:
+        assert time.monotonic() < deadline, "the job outlived its sandbox"
+        time.sleep(0.5)
+    assert alpha.get(f"/api/v1/exec-jobs/{job['id']}").status_code == 404

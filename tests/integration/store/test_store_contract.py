@@ -829,6 +829,52 @@ async def test_list_exec_jobs_newest_first_scoped_and_limited(store: SqlStore) -
     ]
 
 
+async def test_exec_job_lists_carry_no_output_and_page_by_cursor(store: SqlStore) -> None:
+    for i in range(5):  # two share a created_at: the id breaks the tie
+        await store.insert_exec_job(exec_job(f"j{i}", at=T0 + timedelta(seconds=min(i, 3))))
+    done = ExecResult(state="succeeded", exit_code=0, stdout="x" * 1000, stderr="e")
+    assert await store.start_exec_job(ExecJobId("j4"), "http://a", T0)
+    assert await store.finish_exec_job(ExecJobId("j4"), done, T0)
+    seen: list[str] = []
+    before = None
+    while page := await store.list_exec_jobs(TenantId("t1"), SandboxName("sb"), 2, before=before):
+        assert all(j.stdout == "" and j.stderr == "" for j in page)
+        seen += [j.id for j in page]
+        before = (page[-1].created_at, page[-1].id)
+    assert seen == ["j4", "j3", "j2", "j1", "j0"]
+    full = await store.get_exec_job(TenantId("t1"), ExecJobId("j4"))
+    assert full is not None and full.stdout == "x" * 1000  # read one at a time, whole
+
+
+async def test_sweep_deletes_finished_jobs_past_retention_or_of_gone_sandboxes(
+    store: SqlStore,
+) -> None:
+    await store.insert_sandbox(sandbox("live", state="running"), job("live"), None)
+    await store.insert_sandbox(sandbox("gone", state="running"), job("gone"), None)
+    done = ExecResult(state="succeeded", exit_code=0, stdout="out")
+    jobs = {
+        "old-done": ("live", T0),
+        "new-done": ("live", T0 + timedelta(hours=2)),
+        "old-running": ("live", T0),
+        "gone-done": ("gone", T0 + timedelta(hours=2)),
+        "gone-queued": ("gone", T0 + timedelta(hours=2)),
+    }
+    for job_id, (sb, at) in jobs.items():
+        await store.insert_exec_job(exec_job(job_id, sandbox_name=sb, at=at))
+        if job_id != "gone-queued":
+            assert await store.start_exec_job(ExecJobId(job_id), "http://a", at)
+        if job_id.endswith("-done"):
+            assert await store.finish_exec_job(ExecJobId(job_id), done, at)
+    await store.set_sandbox_state(
+        SandboxName("gone"), "deleted", from_states=("running",), error=None, now=T0
+    )
+    assert await store.sweep_exec_jobs(T0 + timedelta(hours=1), 100) == 2
+    left = {j for j in jobs if await store.get_exec_job(TenantId("t1"), ExecJobId(j)) is not None}
+    # past retention and finished, or finished with its sandbox gone: deleted; the rest kept
+    assert left == {"new-done", "old-running", "gone-queued"}
+    assert await store.sweep_exec_jobs(T0 + timedelta(hours=1), 100) == 0
+
+
 async def test_exec_job_moves_are_conditional(store: SqlStore) -> None:
     await store.insert_exec_job(exec_job("j"))
     done = ExecResult(state="succeeded", exit_code=0, stdout="out", stderr="err")

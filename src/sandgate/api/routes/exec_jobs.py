@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query
@@ -9,10 +11,10 @@ from fastapi.responses import JSONResponse
 
 from sandgate.api.deps import Services, services, tenant
 from sandgate.api.routes.sandboxes import error_docs
-from sandgate.api.schemas import CreateExecJob, ExecJobList, ExecJobOut
+from sandgate.api.schemas import CreateExecJob, ExecJobList, ExecJobOut, ExecJobSummary
 from sandgate.control.exec_jobs import ExecJobRequest
 from sandgate.errors import InvalidRequestError
-from sandgate.store.base import ExecJob, TenantId
+from sandgate.store.base import ExecJob, ExecJobId, TenantId
 
 router = APIRouter(prefix="/api/v1", tags=["exec-jobs"])
 
@@ -68,7 +70,37 @@ async def get_exec_job(job_id: str, who: Tenant, svc: Svc) -> dict[str, Any]:
 
 @router.get("/sandboxes/{name}/exec-jobs", response_model=ExecJobList, responses=error_docs())
 async def list_exec_jobs(
-    name: str, who: Tenant, svc: Svc, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+    name: str,
+    who: Tenant,
+    svc: Svc,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    cursor: Annotated[str | None, Query(max_length=256)] = None,
 ) -> dict[str, Any]:
-    jobs = await svc.exec_jobs.list_jobs(who, name, limit)
-    return {"exec_jobs": [exec_job_out(j) for j in jobs]}
+    """Newest first, without output (`GET /exec-jobs/{id}` has it); `next_cursor` pages on."""
+    before = _decode_cursor(cursor) if cursor else None
+    jobs = await svc.exec_jobs.list_jobs(who, name, limit, before=before)
+    summaries = [
+        ExecJobSummary.model_validate(exec_job_out(j)).model_dump(mode="json") for j in jobs
+    ]
+    last = jobs[-1] if len(jobs) == limit else None
+    next_cursor = None if last is None else _encode_cursor(last.created_at, last.id)
+    return {"exec_jobs": summaries, "next_cursor": next_cursor}
+
+
+def _encode_cursor(created_at: datetime, job_id: str) -> str:
+    raw = f"{created_at.isoformat()}|{job_id}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, ExecJobId]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        at, job_id = raw.split("|", 1)
+        created_at = datetime.fromisoformat(at)
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidRequestError(
+            "invalid cursor: pass back the next_cursor of the previous page", code="bad_cursor"
+        ) from None
+    if created_at.tzinfo is None:
+        raise InvalidRequestError("invalid cursor", code="bad_cursor")
+    return created_at, ExecJobId(job_id)
