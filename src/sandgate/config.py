@@ -35,6 +35,7 @@ class ServerSettings(_Frozen):
     max_exec_timeout: float = 3600.0
     # bodies
     max_json_bytes: int = 2 << 20  # JSON request bodies (code included)
+    body_idle_timeout: float = 60.0  # a request body silent this long is cut
     max_upload_bytes: int = 10 << 30  # one file upload
     file_chunk_bytes: int = 1 << 20  # one tunnel frame of file data
     # several instances

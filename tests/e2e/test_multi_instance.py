@@ -573,7 +573,11 @@ def test_internal_requests_need_a_valid_signature(cluster: Cluster) -> None:
         return {
             "x-sandgate-timestamp": f"{stamp:.3f}",
             "x-sandgate-signature": _signature(key, "POST", path, stamp, signed_body),
+            "x-sandgate-body-sha256": hashlib.sha256(signed_body).hexdigest(),
         }
+
+    without_digest = signed(now)
+    del without_digest["x-sandgate-body-sha256"]
 
     refused = {
         "unsigned": post(path, {}),
@@ -583,6 +587,7 @@ def test_internal_requests_need_a_valid_signature(cluster: Cluster) -> None:
         "stale timestamp": post(path, signed(now - 3600)),
         "body swapped": post(path, signed(now), content=b'{"job_id": "other"}'),
         "garbage": post(path, {"x-sandgate-timestamp": "x", "x-sandgate-signature": "y"}),
+        "no signed body digest": post(path, without_digest),
     }
     wrong = {what: (r.status_code, r.text) for what, r in refused.items() if r.status_code != 401}
     assert wrong == {}, wrong

@@ -126,6 +126,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
         BodyLimit,
         max_bytes=settings.max_json_bytes,
         streaming_suffixes=("/toolbox/files", "/stdin"),
+        idle_timeout=settings.body_idle_timeout,
     )
-    app.add_middleware(InternalAuth, secret=settings.secret)  # outermost: before any parsing
+    # outermost: before any parsing
+    app.add_middleware(
+        InternalAuth, secret=settings.secret, idle_timeout=settings.body_idle_timeout
+    )
     return app

@@ -2,23 +2,42 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+log = logging.getLogger(__name__)
+
+
+BODY_IDLE_TIMEOUT = 60.0  # a request body that sends nothing for this long is cut
+
 
 class BodyLimit:
-    """Refuse bodies over `max_bytes` with 413, except on paths that stream (file uploads)."""
+    """Refuse bodies over `max_bytes` with 413, except on paths that stream (file uploads);
+    and cut any body, streamed or not, that sends nothing for `idle_timeout` s (the handler
+    sees the client gone), so a stalled upload holds no connection or buffer for long."""
 
     def __init__(
-        self, app: ASGIApp, *, max_bytes: int, streaming_suffixes: tuple[str, ...]
+        self,
+        app: ASGIApp,
+        *,
+        max_bytes: int,
+        streaming_suffixes: tuple[str, ...],
+        idle_timeout: float = BODY_IDLE_TIMEOUT,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.streaming_suffixes = streaming_suffixes
+        self.idle_timeout = idle_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"].endswith(self.streaming_suffixes):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        receive = self._with_deadline(scope, receive)
+        if scope["path"].endswith(self.streaming_suffixes):
             await self.app(scope, receive, send)
             return
         for name, value in scope.get("headers", ()):
@@ -53,6 +72,31 @@ class BodyLimit:
                 await send(message)
 
         await self.app(scope, counting_receive, guarded_send)
+
+    def _with_deadline(self, scope: Scope, receive: Receive) -> Receive:
+        """`receive`, cut to a disconnect when a part of the body takes over idle_timeout;
+        once the body is complete, untouched (handlers wait on it for the disconnect)."""
+        complete = False
+
+        async def deadline_receive() -> Message:
+            nonlocal complete
+            if complete:
+                return await receive()
+            try:
+                async with asyncio.timeout(self.idle_timeout):
+                    message = await receive()
+            except TimeoutError:
+                log.warning(
+                    "request.body_stalled",
+                    extra={"path": scope["path"], "after_s": self.idle_timeout},
+                )
+                complete = True
+                return {"type": "http.disconnect"}
+            if message["type"] != "http.request" or not message.get("more_body"):
+                complete = True
+            return message
+
+        return deadline_receive
 
 
 async def _too_large(send: Send, limit: int) -> None:

@@ -267,6 +267,14 @@ def server(
             help="seconds the breaker stays open before a trial",
         ),
     ] = 60.0,
+    body_idle_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar="SANDGATE_BODY_IDLE_TIMEOUT",
+            min=0.1,
+            help="seconds a request body may send nothing before it is cut",
+        ),
+    ] = 60.0,
     exec_job_retention: Annotated[
         float,
         typer.Option(
@@ -349,6 +357,7 @@ def server(
     settings = ServerSettings(
         caps=resource_caps,
         exec_job_retention=exec_job_retention,
+        body_idle_timeout=body_idle_timeout,
         db_url=db,
         host=host,
         port=port,

@@ -284,7 +284,7 @@ _SELECT_EXEC_JOB_BY_DIGEST = select(exec_jobs).where(
     exec_jobs.c.digest == bindparam("b_digest"),
 )
 # lists never carry output (a job's output is read one job at a time): every column but it
-_EXEC_JOB_SUMMARY = [c for c in exec_jobs.c if c.name not in ("stdout", "stderr")]
+_EXEC_JOB_SUMMARY = tuple(c for c in exec_jobs.c if c.name not in ("stdout", "stderr"))
 _LIST_EXEC_JOBS = (
     select(*_EXEC_JOB_SUMMARY)
     .where(
