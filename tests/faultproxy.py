@@ -14,6 +14,10 @@ It runs its own asyncio loop in a thread, so sync tests drive it directly:
 
 A blackhole keeps what it read (one chunk per direction) and relays it on `heal()`, as TCP
 would after a healed partition; it never loses or reorders bytes of a connection it keeps.
+
+Hand-written on purpose: toxiproxy, the usual tool, is not installable here (not in Debian 12;
+PyPI has only stale clients, no server) and `tc netem` is missing from this kernel
+(../shared/research/reliability.md, section 4).
 """
 
 from __future__ import annotations
