@@ -18,7 +18,6 @@ from sandgate.errors import (
     AuthError,
     NetworkUnavailableError,
     NoCapacityError,
-    SandboxTimeoutError,
     SandgateError,
     TunnelUnavailableError,
     UnavailableError,
@@ -26,7 +25,7 @@ from sandgate.errors import (
 from sandgate.local_state import ServerLocalState
 from sandgate.store.base import SandboxName, Store, Worker, WorkerName
 from sandgate.tunnel.hub import TunnelSession
-from sandgate.tunnel.rpc import LinkClosedError
+from sandgate.tunnel.rpc import LinkClosedError, NoAnswerError
 
 log = logging.getLogger(__name__)
 
@@ -271,10 +270,8 @@ class WorkerRegistry:
             return await session.channel.request(
                 op, fields, payload, wait=wait, slow_after=max(0.0, wait - PROBE_LEAD), on_slow=ask
             )
-        except SandboxTimeoutError:
-            if probe is None:  # cannot happen (the lead is clamped), but never guess: ask now
-                ask()
-            assert probe is not None
+        except NoAnswerError:  # a timeout the worker itself answered proves the link
+            assert probe is not None  # asked before the wait ran out (the lead is clamped)
             # only a frame that came after the ping was sent proves the link carries frames
             # now (one from before may predate a partition)
             if session.last_heartbeat <= asked_at:

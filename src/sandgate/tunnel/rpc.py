@@ -60,6 +60,11 @@ class LinkClosedError(TunnelUnavailableError):
     """The link went away while a call was waiting."""
 
 
+class NoAnswerError(SandboxTimeoutError):
+    """Our own wait ran out: no answer came at all (a peer that answered with a timeout of
+    its own raises plain SandboxTimeoutError, through `remote_error`)."""
+
+
 def remote_error(header: Header) -> SandgateError:
     err = header.get("error") or {}
     code = str(err.get("code", "worker_error"))
@@ -136,9 +141,7 @@ class RpcChannel:
                 else:
                     header, body = await asyncio.wait_for(future, wait)
             except TimeoutError:
-                raise SandboxTimeoutError(
-                    f"{self.name}: no answer to {op!r} within {wait:g} s"
-                ) from None
+                raise NoAnswerError(f"{self.name}: no answer to {op!r} within {wait:g} s") from None
         finally:
             self._pending.pop(request_id, None)
         if not header.get("ok"):
