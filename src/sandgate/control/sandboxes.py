@@ -332,34 +332,33 @@ class SandboxService:
             if node_url is None or node_url == self.workers.node_url:
                 raise TunnelUnavailableError("sandbox tunnel not available", retry_after=2.0)
             await self.workers.peers.provision(node_url, job.id, wait=self._provision_wait)
-        except TunnelUnavailableError as exc:
-            if not keyed:
-                made = await asyncio.shield(self._withdraw(sandbox, exc.message))
-                if made is not None:
-                    return made  # delivered meanwhile (the worker came back): it exists
-                raise UnavailableError(
-                    f"the sandbox was not created: its worker's tunnel is not reachable now "
-                    f"({exc.message}); retry (send an Idempotency-Key to make retries safe)",
-                    code="tunnel_unavailable",
-                    retry_after=exc.retry_after,
-                ) from exc
-            log.warning("sandbox.delivery_deferred", extra={"sandbox": sandbox.name})
-            raise UnavailableError(
-                f"sandbox {sandbox.name} is accepted but its worker's tunnel is not reachable "
-                f"now ({exc.message}); it will be delivered when it is: retry with the same "
-                "Idempotency-Key",
-                code="tunnel_unavailable",
-                retry_after=exc.retry_after,
-            ) from exc
         except BaseException as exc:
-            # any other failure after the accept (the store, a peer): an unkeyed create must
-            # not stay pending for recovery to make later, unseen
+            tunnel = exc if isinstance(exc, TunnelUnavailableError) else None
             if not keyed:
+                # nobody could ever retry it: it must not stay pending for a later delivery
                 reason = exc.message if isinstance(exc, SandgateError) else type(exc).__name__
                 made = await asyncio.shield(self._withdraw(sandbox, reason))
                 if made is not None and isinstance(exc, Exception):
-                    return made
-            raise
+                    return made  # delivered meanwhile (the worker came back): it exists
+                if tunnel is not None:
+                    raise UnavailableError(
+                        f"the sandbox was not created: its worker's tunnel is not reachable "
+                        f"now ({tunnel.message}); retry (send an Idempotency-Key to make "
+                        "retries safe)",
+                        code="tunnel_unavailable",
+                        retry_after=tunnel.retry_after,
+                    ) from exc
+                raise
+            if tunnel is None:
+                raise
+            log.warning("sandbox.delivery_deferred", extra={"sandbox": sandbox.name})
+            raise UnavailableError(
+                f"sandbox {sandbox.name} is accepted but its worker's tunnel is not reachable "
+                f"now ({tunnel.message}); it will be delivered when it is: retry with the same "
+                "Idempotency-Key",
+                code="tunnel_unavailable",
+                retry_after=tunnel.retry_after,
+            ) from exc
         running = await self.store.get_sandbox(sandbox.name)
         if running is None:
             raise NotFoundError(f"sandbox {sandbox.name} vanished while it started")
