@@ -23,22 +23,31 @@ Svc = Annotated[Services, Depends(services)]
 
 
 def exec_job_out(job: ExecJob) -> dict[str, Any]:
-    return ExecJobOut(
+    return ExecJobOut(**_summary_fields(job), stdout=job.stdout, stderr=job.stderr).model_dump(
+        mode="json"
+    )
+
+
+def exec_job_summary(job: ExecJob) -> dict[str, Any]:
+    """A job as lists show it: everything but its output."""
+    return ExecJobSummary(**_summary_fields(job)).model_dump(mode="json")
+
+
+def _summary_fields(job: ExecJob) -> dict[str, Any]:
+    return dict(
         id=job.id,
         sandbox=job.sandbox_name,
         state=job.state,
         command=job.command,
         timeout=job.timeout,
         exit_code=job.exit_code,
-        stdout=job.stdout,
-        stderr=job.stderr,
         stdout_truncated=job.stdout_truncated,
         stderr_truncated=job.stderr_truncated,
         error=job.error,
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,
-    ).model_dump(mode="json")
+    )
 
 
 @router.post(
@@ -79,9 +88,7 @@ async def list_exec_jobs(
     """Newest first, without output (`GET /exec-jobs/{id}` has it); `next_cursor` pages on."""
     before = _decode_cursor(cursor) if cursor else None
     jobs = await svc.exec_jobs.list_jobs(who, name, limit, before=before)
-    summaries = [
-        ExecJobSummary.model_validate(exec_job_out(j)).model_dump(mode="json") for j in jobs
-    ]
+    summaries = [exec_job_summary(j) for j in jobs]
     last = jobs[-1] if len(jobs) == limit else None
     next_cursor = None if last is None else _encode_cursor(last.created_at, last.id)
     return {"exec_jobs": summaries, "next_cursor": next_cursor}
