@@ -41,7 +41,8 @@ AGENT_READY_TIMEOUT = 20.0
 TEARDOWN_RETRY_MIN = 0.5  # a stop that failed is tried again after this, doubling...
 TEARDOWN_RETRY_MAX = 30.0  # ...up to this
 TEARDOWN_WAIT = 10.0  # a provision waits this long for a teardown of its name or its slot
-SHUTDOWN_TEARDOWN_WAIT = 15.0  # a stopping worker waits this long for its teardowns
+SHUTDOWN_TEARDOWN_WAIT = 8.0  # a stopping worker waits this long (at most twice: see run) for
+# its teardowns, so it stops within the 20 s `sandgate up` and the tests give it
 DEFAULT_AGENT_CALL_TIMEOUT = 120.0
 
 Notify = Callable[[str, dict[str, Any]], Awaitable[None]]
