@@ -5,7 +5,9 @@ attack surface or could undo the isolation (mounts, namespaces, ptrace, bpf, io_
 kernel modules, device nodes, ...). `clone` is refused only when it asks for a new namespace
 (one MASKED_EQ rule per CLONE_NEW* flag); `clone3` answers ENOSYS so glibc falls back to
 `clone`, whose flags the filter can see (clone3 passes them in memory). `socket` and
-`socketpair` answer EAFNOSUPPORT for every address family but `ALLOWED_FAMILIES`.
+`socketpair` answer EAFNOSUPPORT for every address family but `ALLOWED_FAMILIES`, and an
+AF_NETLINK socket answers EPROTONOSUPPORT for every netlink protocol but
+`ALLOWED_NETLINK_PROTOCOLS`.
 
 The program is exported once as raw BPF (what `bwrap --seccomp FD` reads) and written to a
 file; every sandbox gets a fresh read-only fd of that file.
@@ -23,6 +25,7 @@ from pathlib import Path
 from sandgate.errors import WorkerError
 
 SCMP_ACT_ALLOW = 0x7FFF0000
+SCMP_CMP_EQ = 4
 SCMP_CMP_GT = 6
 SCMP_CMP_MASKED_EQ = 7
 ARG_MASK = (1 << 64) - 1
@@ -112,10 +115,20 @@ ALLOWED_FAMILIES: tuple[int, ...] = (
 )
 SOCKET_SYSCALLS = ("socket", "socketpair")
 
+# Netlink protocols an AF_NETLINK socket may be opened with (socket(2)'s third argument): only
+# NETLINK_ROUTE, all glibc (getifaddrs, if_nameindex, getaddrinfo's AI_ADDRCONFIG), Python,
+# node/libuv and `ip` use. Each other protocol is its own kernel code: NETLINK_AUDIT,
+# NETLINK_KOBJECT_UEVENT, NETLINK_NETFILTER, NETLINK_GENERIC (and every genetlink family behind
+# it), NETLINK_XFRM, NETLINK_SOCK_DIAG... They answer EPROTONOSUPPORT, the errno of a protocol
+# this kernel was built without (libaudit, for one, then treats audit as absent; `ss` reads
+# /proc/net instead of sock_diag). The full 64-bit argument is compared, as for the family.
+NETLINK_ROUTE = 0
+ALLOWED_NETLINK_PROTOCOLS: tuple[int, ...] = (NETLINK_ROUTE,)
+
 
 def refused_family_blocks(allowed: tuple[int, ...]) -> list[tuple[int, int]]:
-    """(mask, value) pairs such that a 64-bit first argument is outside `allowed` exactly when
-    `arg & mask == value` for one pair, or `arg > max(allowed)`.
+    """(mask, value) pairs such that a 64-bit argument (the family, or a netlink protocol) is
+    outside `allowed` exactly when `arg & mask == value` for one pair, or `arg > max(allowed)`.
 
     libseccomp takes one comparison per argument in a rule and ORs the rules of one action,
     so each gap below an allowed value is cut into aligned power-of-two blocks."""
@@ -210,6 +223,7 @@ def export_bpf() -> bytes:
         if clone3 is not None:
             add(SCMP_ACT_ERRNO(errno.ENOSYS), clone3, [])
         refuse_family = SCMP_ACT_ERRNO(errno.EAFNOSUPPORT)
+        refuse_protocol = SCMP_ACT_ERRNO(errno.EPROTONOSUPPORT)
         for name in SOCKET_SYSCALLS:
             nr = resolve(name)
             if nr is None:
@@ -217,6 +231,13 @@ def export_bpf() -> bytes:
             add(refuse_family, nr, [_ArgCmp(0, SCMP_CMP_GT, max(ALLOWED_FAMILIES), 0)])
             for mask, value in refused_family_blocks(ALLOWED_FAMILIES):
                 add(refuse_family, nr, [_ArgCmp(0, SCMP_CMP_MASKED_EQ, mask, value)])
+            # AF_NETLINK exactly (any other value of the first argument is refused above or is
+            # another allowed family): its protocol, the third argument, against the allowlist
+            netlink = _ArgCmp(0, SCMP_CMP_EQ, socket.AF_NETLINK, 0)
+            top = max(ALLOWED_NETLINK_PROTOCOLS)
+            add(refuse_protocol, nr, [netlink, _ArgCmp(2, SCMP_CMP_GT, top, 0)])
+            for mask, value in refused_family_blocks(ALLOWED_NETLINK_PROTOCOLS):
+                add(refuse_protocol, nr, [netlink, _ArgCmp(2, SCMP_CMP_MASKED_EQ, mask, value)])
 
         fd = os.memfd_create("sandgate-seccomp", os.MFD_CLOEXEC)
         try:

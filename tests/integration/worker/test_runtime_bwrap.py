@@ -413,6 +413,58 @@ def test_socket_families_outside_the_allowlist_are_refused(rt: BwrapRuntime) -> 
     assert r["interfaces"] == ["lo"]
 
 
+NETLINK_PROBE = r"""
+import ctypes, errno, json, platform, socket, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+NL, RAW = socket.AF_NETLINK, socket.SOCK_RAW
+r = {"protocols": {}}
+
+def name(e):
+    return errno.errorcode.get(e, str(e))
+
+def attempt(fn):
+    try:
+        fn().close()
+        return "ok"
+    except OSError as e:
+        return name(e.errno)
+
+for proto in range(40):  # MAX_LINKS is 32: the rest the kernel refuses itself
+    r["protocols"][proto] = attempt(lambda: socket.socket(NL, RAW, proto))
+r["route_dgram"] = attempt(lambda: socket.socket(NL, socket.SOCK_DGRAM, 0))
+r["pair_uevent"] = attempt(lambda: socket.socketpair(NL, RAW, 15)[0])
+if platform.machine() == "x86_64":  # socket(2) is 41: bits above the int are refused too
+    for key, proto in (("uevent_high_bits", (1 << 32) | 15), ("route_high_bits", 1 << 32)):
+        fd = libc.syscall(41, NL, RAW, ctypes.c_long(proto))
+        r[key] = name(ctypes.get_errno()) if fd < 0 else "ok"
+# what must keep working over NETLINK_ROUTE: if_nameindex, getaddrinfo(AI_ADDRCONFIG), `ip`
+r["interfaces"] = [n for _, n in socket.if_nameindex()]
+r["lo_index"] = socket.if_nametoindex("lo")
+r["addrconfig"] = len(socket.getaddrinfo("127.0.0.1", 80, flags=socket.AI_ADDRCONFIG))
+ip = subprocess.run(["/usr/sbin/ip", "-o", "addr"], capture_output=True, text=True)
+r["ip_rc"], r["ip_out"], r["ip_err"] = ip.returncode, ip.stdout, ip.stderr
+print(json.dumps(r))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/sbin/ip"), reason="needs iproute2")
+def test_netlink_only_route(rt: BwrapRuntime) -> None:
+    r = run(rt, py(NETLINK_PROBE)).json()
+    assert r["protocols"]["0"] == "ok", r  # NETLINK_ROUTE
+    for proto, outcome in r["protocols"].items():
+        if proto != "0":  # NETLINK_SOCK_DIAG 4, NETLINK_AUDIT 9, NETFILTER 12, KOBJECT_UEVENT 15,
+            assert outcome == "EPROTONOSUPPORT", (proto, r)  # GENERIC 16, ...
+    assert r["route_dgram"] == "ok", r
+    assert r["pair_uevent"] == "EPROTONOSUPPORT", r
+    if "uevent_high_bits" in r:
+        assert r["uevent_high_bits"] == r["route_high_bits"] == "EPROTONOSUPPORT", r
+    assert r["interfaces"] == ["lo"], r
+    assert r["lo_index"] == 1, r
+    assert r["addrconfig"] >= 1, r
+    assert r["ip_rc"] == 0, r
+    assert " lo " in r["ip_out"] and "127.0.0.1/8" in r["ip_out"], r
+
+
 PID1_PROBE = r"""
 import json, os, sys
 print(json.dumps({
