@@ -71,4 +71,6 @@ class WorkerSettings(_Frozen):
     heartbeat_interval: float = 10.0
     reconnect_min: float = 0.2
     reconnect_max: float = 5.0
+    # the share of the host's fs.file-max one sandbox at its limits may hold (worker.fds)
+    fd_share: float = Field(default=0.1, gt=0, le=1)
     faults: frozenset[str] = frozenset()  # test fault points (sandgate.faults)

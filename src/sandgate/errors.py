@@ -11,6 +11,8 @@ SandgateError                      code, message (both shown to the user)
 ├── ConflictError                  the target exists or is in the wrong state (409)
 ├── PayloadTooLargeError           body over the documented cap (413)
 ├── LimitExceededError             a configured limit was hit; carries limit, retry_after (429)
+├── StorageFullError               the host's disk is full under a write (507)
+│   └── DiskQuotaExceededError     the sandbox's disk quota is full (507)
 ├── UnavailableError               try again later; carries retry_after (503)
 │   ├── NoCapacityError            no connected worker has room
 │   └── TunnelUnavailableError     the sandbox's worker is not connected
@@ -85,6 +87,16 @@ class LimitExceededError(SandgateError):
 
     def __init__(
         self, message: str, *, limit: str, retry_after: float, code: str | None = None
+class StorageFullError(SandgateError):
+    """A write found no space: on a worker that enforces no quota, the host's disk."""
+
+    code = "storage_full"
+
+
+class DiskQuotaExceededError(StorageFullError):
+    code = "disk_quota_exceeded"
+
+
     ) -> None:
         super().__init__(message, code=code)
         self.limit = limit

@@ -11,7 +11,7 @@ from sandgate.errors import ResourceCapError
 def test_defaults_fill_what_was_not_asked() -> None:
     caps = ResourceCaps(default_memory_mb=128, default_cpus=0.5, default_pids=64)
     got = resolve({"memory_mb": None, "cpus": 2.0}, caps)
-    assert got == {"memory_mb": 128, "cpus": 2.0, "pids": 64}
+    assert got == {"memory_mb": 128, "cpus": 2.0, "pids": 64, "disk_mb": 1024}
 
 
 def test_a_value_at_the_cap_is_granted_and_above_it_refused_naming_it() -> None:

@@ -67,6 +67,8 @@ _ERRNO_CODES = {
     errno.EROFS: "permission_denied",
     errno.EINVAL: "invalid_request",
     errno.ENAMETOOLONG: "invalid_request",
+    errno.ENOSPC: "storage_full",  # the worker names the sandbox's quota
+    errno.EDQUOT: "storage_full",
 }
 
 

@@ -26,6 +26,7 @@ _STATUS: tuple[tuple[type[e.SandgateError], int], ...] = (
     (e.ConflictError, 409),
     (e.PayloadTooLargeError, 413),
     (e.LimitExceededError, 429),
+    (e.StorageFullError, 507),
     (e.UnavailableError, 503),
     (e.SandboxTimeoutError, 504),
     (e.WorkerError, 502),

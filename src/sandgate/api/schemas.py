@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 RESERVED_METADATA = ("idem", "idem_owner")
+MIN_DISK_MB = 64  # the smallest sandbox file system
 
 
 class _In(BaseModel):
@@ -17,11 +18,13 @@ class _In(BaseModel):
 
 class Resources(_In):
     """What the sandbox asks for; left out, the deployment's default. Above the operator's
-    cap (`sandgate server --max-memory-mb/--max-cpus/--max-pids`): 422 naming the cap."""
+    cap (`sandgate server --max-memory-mb/--max-cpus/--max-pids/--max-disk-mb`): 422 naming
+    the cap. `disk_mb` is the quota of /workspace and /tmp together."""
 
     memory_mb: int | None = Field(default=None, ge=16, le=1 << 20)
     cpus: float | None = Field(default=None, gt=0, le=1024)
     pids: int | None = Field(default=None, ge=8, le=1 << 22)
+    disk_mb: int | None = Field(default=None, ge=MIN_DISK_MB, le=1 << 24)
 
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")

@@ -326,6 +326,12 @@ def server(
 
     logs.setup(log_level)
     try:
+    max_disk_mb: Annotated[
+        int,
+        typer.Option(
+            envvar="SANDGATE_MAX_DISK_MB", min=64, help="disk quota cap per sandbox (MiB)"
+        ),
+    ] = 10240,
         active_faults = faults.from_environment()
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="SANDGATE_FAULTS") from None
@@ -339,6 +345,12 @@ def server(
         if secret_file is None:
             raise typer.BadParameter(
                 "on PostgreSQL all instances share one secret: give each the same --secret-file",
+    default_disk_mb: Annotated[
+        int,
+        typer.Option(
+            envvar="SANDGATE_DEFAULT_DISK_MB", min=64, help="a sandbox that asks for none"
+        ),
+    ] = 1024,
                 param_hint="--secret-file",
             )
     resource_caps = ResourceCaps(
@@ -377,9 +389,11 @@ def server(
         faults=active_faults,
     )
     make_server(settings, own_signals=True).run()
+        max_disk_mb=max_disk_mb,
 
 
 @app.command()
+        default_disk_mb=default_disk_mb,
 def worker(
     server: Annotated[str, typer.Option(envvar="SANDGATE_SERVER", help="control plane URL")],
     token: Annotated[str, typer.Option(envvar="SANDGATE_TOKEN", help="worker token")],
@@ -432,6 +446,15 @@ def up(
     port: Annotated[int, typer.Option(envvar="SANDGATE_PORT")] = 8080,
     host: Annotated[str, typer.Option(envvar="SANDGATE_HOST")] = "127.0.0.1",
     data_dir: Annotated[
+    fd_share: Annotated[
+        float,
+        typer.Option(
+            envvar="SANDGATE_FD_SHARE",
+            min=0.001,
+            max=1.0,
+            help="share of the host's fs.file-max one sandbox may hold (sets RLIMIT_NOFILE)",
+        ),
+    ] = 0.1,
         Path,
         typer.Option(
             envvar="SANDGATE_DATA_DIR",
@@ -454,6 +477,7 @@ def up(
     ] = None,
     log_level: LogOpt = "INFO",
 ) -> None:
+        fd_share=fd_share,
     """All in one: an API instance on SQLite in the data dir plus one local worker, restarted
     if it dies and stopped with `up` (even on SIGKILL)."""
     from sandgate.cli.up import run_up

@@ -11,9 +11,14 @@ from types import MappingProxyType
 
 from sandgate.errors import ResourceCapError
 
-RESOURCES = ("memory_mb", "cpus", "pids")
+RESOURCES = ("memory_mb", "cpus", "pids", "disk_mb")
 FLAGS = MappingProxyType(
-    {"memory_mb": "--max-memory-mb", "cpus": "--max-cpus", "pids": "--max-pids"}
+    {
+        "memory_mb": "--max-memory-mb",
+        "cpus": "--max-cpus",
+        "pids": "--max-pids",
+        "disk_mb": "--max-disk-mb",
+    }
 )
 
 
@@ -22,9 +27,11 @@ class ResourceCaps:
     max_memory_mb: int = 4096
     max_cpus: float = 4.0
     max_pids: int = 1024
+    max_disk_mb: int = 10240  # /workspace and /tmp together
     default_memory_mb: int = 512
     default_cpus: float = 1.0
     default_pids: int = 256
+    default_disk_mb: int = 1024
 
     def problem(self) -> str | None:
         """Why these caps are inconsistent (a default above its cap), or None."""

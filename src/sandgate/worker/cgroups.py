@@ -57,7 +57,7 @@ def join_argv(procs_files: list[Path], argv: list[str]) -> list[str]:
     ]
 
 
-def _unescape(path: str) -> str:
+def unescape_mountinfo(path: str) -> str:
     # mountinfo escapes space, tab, newline and backslash as \ooo
     out, i = [], 0
     while i < len(path):
@@ -128,7 +128,7 @@ class CgroupHost:
             fields, rfields = left.split(), right.split()
             if len(fields) < 5 or len(rfields) < 3:
                 continue
-            root, mount_point = _unescape(fields[3]), Path(_unescape(fields[4]))
+            root, mount_point = unescape_mountinfo(fields[3]), Path(unescape_mountinfo(fields[4]))
             fstype, super_opts = rfields[0], rfields[2].split(",")
             if fstype == "cgroup":
                 for ctrl in LIMIT_CONTROLLERS:

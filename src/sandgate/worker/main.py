@@ -115,7 +115,11 @@ def make_runtime(settings: WorkerSettings, state_dir: Path, agent_dir: Path) -> 
         from sandgate.worker.runtime.bwrap import BwrapRuntime
 
         return BwrapRuntime(
-            state_dir, agent_dir, worker_name=scope, allow_network=settings.allow_network
+            state_dir,
+            agent_dir,
+            worker_name=scope,
+            allow_network=settings.allow_network,
+            fd_share=settings.fd_share,
         )
     if settings.runtime == "process":
         from sandgate.worker.runtime.process import ProcessRuntime

@@ -4,7 +4,7 @@ Tunnel operations (server → worker):
 
 | op | fields | answer |
 |---|---|---|
-| `provision` | `name`, `spec` {env, network, memory_mb, cpus, pids} | `sandbox`; idempotent |
+| `provision` | `name`, `spec` {env, network, memory_mb, cpus, pids, disk_mb} | `sandbox`, idem. |
 | `destroy` | `name` | `existed` |
 | `list` | | `sandboxes` [names], `tearing_down` [names being destroyed] |
 | `agent` | `sandbox`, `call` {op, ...}, payload | the agent's answer, relayed |
@@ -25,13 +25,16 @@ from typing import Any
 from sandgate.agent.frames import Header
 from sandgate.errors import (
     ConflictError,
+    DiskQuotaExceededError,
     InvalidRequestError,
     NoCapacityError,
     NotFoundError,
     SandboxTimeoutError,
+    StorageFullError,
     WorkerError,
 )
 from sandgate.local_state import WorkerLocalState
+from sandgate.worker import disk
 from sandgate.worker.agent_link import AgentLink
 from sandgate.worker.runtime.base import RunningSandbox, Runtime, SandboxSpec
 
@@ -311,10 +314,27 @@ class WorkerService:
         fields = dict(call)
         op = fields.pop("op")
         timeout = float(header.get("timeout_s") or DEFAULT_AGENT_CALL_TIMEOUT) + 2.0
-        reply, body = await live.link.channel.request(op, fields, payload, wait=timeout)
+        try:
+            reply, body = await live.link.channel.request(op, fields, payload, wait=timeout)
+        except StorageFullError as exc:
+            raise self._storage_full(live.running.spec, exc) from None
         reply.pop("id", None)
         reply.pop("ok", None)
         return reply, body
+
+    def _storage_full(self, spec: SandboxSpec, exc: StorageFullError) -> StorageFullError:
+        """The agent's ENOSPC, told as what filled up and what the caller may do."""
+        if self.runtime.features().get("disk_quota"):
+            return DiskQuotaExceededError(
+                f"{exc.message}: the sandbox's disk quota of {spec.disk_mb} MiB "
+                f"({disk.inodes_for(spec.disk_mb)} files; /workspace and /tmp together, "
+                "resources.disk_mb) is full; delete files, or create the sandbox with a "
+                "larger disk_mb"
+            )
+        return StorageFullError(
+            f"{exc.message}: the worker's disk is full (this worker enforces no per-sandbox "
+            "quota); delete files, or retry on another worker"
+        )
 
 
 def _spec(header: Header) -> SandboxSpec:
@@ -330,6 +350,7 @@ def _spec(header: Header) -> SandboxSpec:
             memory_mb=int(spec.get("memory_mb", 512)),
             cpus=float(spec.get("cpus", 1.0)),
             pids=int(spec.get("pids", 256)),
+            disk_mb=int(spec.get("disk_mb", 1024)),
         )
     except (TypeError, ValueError, AttributeError) as exc:
         raise InvalidRequestError(f"bad provision spec: {exc}") from None

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.bwrap
         ({"memory_mb": 65536}, "max_memory_mb", "4096"),
         ({"cpus": 64}, "max_cpus", "4"),
         ({"pids": 100_000}, "max_pids", "1024"),
+        ({"disk_mb": 20_000}, "max_disk_mb", "10240"),
     ],
 )
 def test_a_request_above_a_default_cap_is_refused_naming_it(
@@ -41,8 +42,9 @@ def test_defaults_fill_what_was_not_asked_and_a_retry_naming_them_is_the_same(
 ) -> None:
     r = alpha.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "caps-defaults"})
     assert r.status_code == 201, r.text
-    assert r.json()["resources"] == {"memory_mb": 512, "cpus": 1.0, "pids": 256}
-    explicit = {"resources": {"memory_mb": 512, "cpus": 1.0, "pids": 256}}
+    granted = {"memory_mb": 512, "cpus": 1.0, "pids": 256, "disk_mb": 1024}
+    assert r.json()["resources"] == granted
+    explicit = {"resources": granted}
     again = alpha.post(
         "/api/v1/sandboxes", json=explicit, headers={"Idempotency-Key": "caps-defaults"}
     )

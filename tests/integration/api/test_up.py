@@ -157,7 +157,7 @@ def create_and_run(c: httpx.Client) -> str:
 
 
 def workspace_uid(state_dir: Path, name: str) -> int | None:
-    workspace = state_dir / "local" / "sandboxes" / name / "workspace"
+    workspace = state_dir / "local" / "sandboxes" / name / "disk" / "workspace"
     return workspace.stat().st_uid if workspace.exists() else None
 
 
@@ -360,7 +360,7 @@ def test_two_ups_in_two_directories_coexist_with_their_default_state_dirs(
         with api(port, key) as c:
             wait_for_worker(c)
             names.append(create_and_run(c))
-        assert (state / "local" / "sandboxes" / names[-1] / "workspace").is_dir()
+        assert (state / "local" / "sandboxes" / names[-1] / "disk" / "workspace").is_dir()
         uids.append(workspace_uid(state, names[-1]))
     assert [p.poll() for p in procs] == [None, None]
     assert (data_dirs[0].stat().st_mode & 0o777) == 0o711  # traversed, not listed

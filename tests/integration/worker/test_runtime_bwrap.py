@@ -18,7 +18,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from sandgate.worker import cgroups
 from sandgate.worker.cgroups import SandboxCgroups
 from sandgate.worker.runtime.base import RunningSandbox, SandboxSpec
 from sandgate.worker.runtime.bwrap import BwrapRuntime
+from tests.integration.worker.conftest import UID_BASE, UID_COUNT, Env, other_runtime
 
 pytestmark = [
     pytest.mark.bwrap,
@@ -38,65 +38,6 @@ pytestmark = [
 ]
 
 PY = ["/usr/bin/python3", "-I", "-S", "-c"]
-UID_BASE = 281000  # away from the default range of a real worker on this host
-UID_COUNT = 500
-SRC = Path(__file__).resolve().parents[3] / "src" / "sandgate" / "agent"
-
-
-@dataclass
-class Env:
-    root: Path
-    agent_dir: Path
-    lock_dir: Path
-    worker: str
-    workers: list[str]
-
-    def runtime(self, worker: str | None = None, **kw: Any) -> BwrapRuntime:
-        return BwrapRuntime(
-            self.root / "state" / (worker or self.worker),
-            self.agent_dir,
-            worker_name=worker or self.worker,
-            uid_base=UID_BASE,
-            uid_count=UID_COUNT,
-            uid_lock_dir=self.lock_dir,
-            **kw,
-        )
-
-
-@pytest.fixture(scope="module")
-def env() -> Iterator[Env]:
-    root = Path(f"/var/lib/sandgate-test-{secrets.token_hex(4)}")
-    root.mkdir(mode=0o711)
-    os.chmod(root, 0o711)
-    agent_dir = root / "agent"
-    agent_dir.mkdir()
-    os.chmod(agent_dir, 0o755)
-    (agent_dir / "agent.py").write_text("import sys\nsys.exit(0)\n")
-    shutil.copy(SRC / "frames.py", agent_dir / "frames.py")
-    for f in agent_dir.iterdir():
-        os.chmod(f, 0o644)
-    e = Env(root, agent_dir, root / "uids", f"t-{secrets.token_hex(3)}", [])
-    try:
-        yield e
-    finally:
-        host = cgroups.CgroupHost.detect()
-        for w in {e.worker, *e.workers}:
-            asyncio.run(cgroups.cleanup_worker(host, w))
-            cgroups.remove_worker_groups(host, w)
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def rt(env: Env) -> BwrapRuntime:
-    runtime = env.runtime()
-    asyncio.run(runtime.prepare())
-    return runtime
-
-
-def other_runtime(env: Env, **kw: Any) -> BwrapRuntime:
-    worker = f"t-{secrets.token_hex(3)}"
-    env.workers.append(worker)
-    return env.runtime(worker, **kw)
 
 
 def uniq(prefix: str = "s") -> str:

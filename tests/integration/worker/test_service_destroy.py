@@ -79,7 +79,7 @@ def test_a_destroy_cancelled_at_any_point_still_finishes(runtime: BwrapRuntime) 
     async def body() -> None:
         for name in names:
             await service.provision(SandboxSpec(name=name))
-            (runtime.sandboxes_dir / name / "workspace" / "upload.txt").write_text("tenant")
+            (service.state.sandboxes[name].running.workspace / "upload.txt").write_text("tenant")
             request = asyncio.create_task(service.destroy(name))  # as the tunnel handler does
             await asyncio.sleep(rng.uniform(0.0, 0.03))
             request.cancel()  # the link dropped: the handler is cancelled
@@ -143,7 +143,7 @@ def test_a_provision_waits_for_the_teardown_holding_its_slot_or_its_name(
         again = await service.provision(SandboxSpec(name=second))  # the same name, fresh
         await request
         assert service.state.sandboxes[second] is again
-        assert (runtime.sandboxes_dir / second / "workspace").is_dir()
+        assert again.running.workspace.is_dir()
         assert await service.destroy(second)
 
     async def main() -> None:

@@ -19,7 +19,7 @@ from sandgate.api.routes.sandboxes import error_docs
 from sandgate.api.schemas import FileEntry, FileList, MakeDir, Move
 from sandgate.control.replies import EntriesReply, EntryReply, HandleReply, OpenReadReply, parse
 from sandgate.errors import PayloadTooLargeError, SandgateError, WorkerError
-from sandgate.store.base import TenantId
+from sandgate.store.base import Sandbox, TenantId
 
 router = APIRouter(prefix="/api/v1/sandboxes/{name}/toolbox/files", tags=["files"])
 
@@ -30,6 +30,7 @@ PathQuery = Annotated[str, Query(min_length=1, max_length=4096)]
 
 @router.put("", response_model=FileEntry, responses=error_docs())
 async def upload(name: str, path: PathQuery, request: Request, who: Tenant, svc: Svc) -> Any:
+    await _refuse_past_the_quota(request, await svc.sandboxes.get(who, name))
     call = svc.sandboxes.agent_call
     raw, _ = await call(who, name, {"op": "open_write", "path": path})
     handle = parse(HandleReply, raw).handle
@@ -56,6 +57,20 @@ async def upload(name: str, path: PathQuery, request: Request, who: Tenant, svc:
     finally:
         if not committed:
             await asyncio.shield(_discard(svc, who, name, handle))
+
+
+async def _refuse_past_the_quota(request: Request, sandbox: Sandbox) -> None:
+    """An upload whose declared size cannot fit the sandbox's disk quota is refused before
+    a byte is written (one that only turns out too large answers 507 when the disk fills)."""
+    disk_mb = sandbox.resources.get("disk_mb")
+    declared = request.headers.get("content-length", "")
+    if isinstance(disk_mb, int) and declared.isdigit() and int(declared) > disk_mb << 20:
+        raise PayloadTooLargeError(
+            f"an upload of {int(declared)} bytes cannot fit this sandbox's disk quota of "
+            f"{disk_mb} MiB (resources.disk_mb, /workspace and /tmp together); create the "
+            "sandbox with a larger disk_mb",
+            code="disk_quota_exceeded",
+        )
 
 
 async def _discard(svc: Services, who: TenantId, name: str, handle: int | str) -> None:

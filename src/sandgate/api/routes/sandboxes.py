@@ -29,7 +29,7 @@ router = APIRouter(prefix="/api/v1", tags=["sandboxes"])
 Tenant = Annotated[TenantId, Depends(tenant)]
 Svc = Annotated[Services, Depends(services)]
 
-ERROR_STATUSES = (400, 401, 403, 404, 409, 413, 422, 502, 503, 504)
+ERROR_STATUSES = (400, 401, 403, 404, 409, 413, 422, 502, 503, 504, 507)
 
 
 def error_docs() -> dict[int | str, dict[str, Any]]:

@@ -21,6 +21,7 @@ class SandboxSpec:
     memory_mb: int = 512
     cpus: float = 1.0
     pids: int = 256
+    disk_mb: int = 1024  # quota of /workspace and /tmp together
 
 
 @dataclass

@@ -13,8 +13,14 @@ Per sandbox (see docs/decisions/0001-bwrap-runtime.md for why):
   /usr and a generated minimal /etc, a writable /workspace and /tmp, and a seccomp filter
   (`seccomp.py`).
 
-Process chain: worker -> sh (joins cgroups) -exec-> setpriv -exec-> bwrap (outer, the
-`process` returned) -> bwrap's pid-1 reaper -> the agent (or a probe ``argv``).
+* a file system of its own (`disk.py`): an ext4 image of `disk_mb` on a loop device holds
+  /workspace and /tmp, so the kernel enforces the quota and the inode cap; where loop
+  devices are missing, features() says ``disk_quota: false`` and /tmp is a tmpfs;
+* ``RLIMIT_NOFILE`` per process so the sandbox holds at most `fd_share` of the host's file
+  table (`fds.py`).
+
+Process chain: worker -> sh (joins cgroups) -exec-> prlimit -exec-> setpriv -exec-> bwrap
+(outer, the `process` returned) -> bwrap's pid-1 reaper -> the agent (or a probe ``argv``).
 
 The chain starts in ``/`` with an empty environment: bwrap's pid 1 keeps the environment and
 cwd it was started with (``--clearenv`` and ``--chdir`` apply only to the command), and a
@@ -36,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from sandgate.errors import InvalidRequestError, NetworkUnavailableError, WorkerError
-from sandgate.worker import cgroups, seccomp
+from sandgate.worker import cgroups, disk, fds, seccomp
 from sandgate.worker.cgroups import CgroupHost, SandboxCgroups
 from sandgate.worker.cleanup import remove_tree
 from sandgate.worker.runtime.base import RunningSandbox, SandboxSpec
@@ -90,10 +96,10 @@ def check_spec(spec: SandboxSpec) -> None:
             raise InvalidRequestError(f"invalid environment variable name {key!r}")
         if "\0" in value:
             raise InvalidRequestError(f"environment variable {key} contains a NUL byte")
-    if spec.memory_mb < 16 or spec.pids < 8 or spec.cpus <= 0:
+    if spec.memory_mb < 16 or spec.pids < 8 or spec.cpus <= 0 or spec.disk_mb < 16:
         raise InvalidRequestError(
             f"sandbox limits too small: memory_mb={spec.memory_mb} (>= 16), "
-            f"pids={spec.pids} (>= 8), cpus={spec.cpus} (> 0)"
+            f"pids={spec.pids} (>= 8), cpus={spec.cpus} (> 0), disk_mb={spec.disk_mb} (>= 16)"
         )
 
 
@@ -131,6 +137,7 @@ class BwrapRuntime:
         uid_count: int = 10000,
         allow_network: bool = False,
         uid_lock_dir: Path | None = None,
+        fd_share: float = fds.DEFAULT_FD_SHARE,
     ) -> None:
         """`uid_lock_dir` must be shared by every worker on the host that uses an overlapping
         uid range; the default is host-wide (/run/sandgate/uids), not per state_dir."""
@@ -147,6 +154,7 @@ class BwrapRuntime:
         self._prepared = False
         self._bwrap = "/usr/bin/bwrap"
         self._setpriv = "/usr/bin/setpriv"
+        self._prlimit = "/usr/bin/prlimit"
         self._cg_host: CgroupHost | None = None
         self._limits: dict[str, bool] = {c: False for c in cgroups.LIMIT_CONTROLLERS}
         self._cgroup_kill = False
@@ -154,6 +162,9 @@ class BwrapRuntime:
         self._root_args: list[str] = []
         self._etc_args: list[str] = []
         self._agent_checked = False
+        self._disk_problem: str | None = "the runtime is not prepared"
+        self.fd_share = fd_share
+        self._file_limits = (0, 0)  # the host's fs.file-max and fs.nr_open
 
     # ------------------------------------------------------------------ features
 
@@ -178,7 +189,9 @@ class BwrapRuntime:
             "cgroup_kill": self._cgroup_kill,
             "limits": dict(self._limits),
             "memory_limit_includes_swap": self._limits["memory"] and self._memsw,
-            "disk_quota": False,
+            "disk_quota": self._disk_problem is None,
+            "disk_quota_inodes_per_mb": disk.INODES_PER_MB if self._disk_problem is None else 0,
+            "fd_share": self.fd_share,
         }
 
     # ------------------------------------------------------------------ prepare
@@ -188,14 +201,16 @@ class BwrapRuntime:
             raise WorkerError("the bwrap runtime must run as root (it drops to a uid per sandbox)")
         bwrap = shutil.which("bwrap") or "/usr/bin/bwrap"
         setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
-        for path, package in ((bwrap, "bubblewrap"), (setpriv, "util-linux")):
+        prlimit = shutil.which("prlimit") or "/usr/bin/prlimit"
+        needed = ((bwrap, "bubblewrap"), (setpriv, "util-linux"), (prlimit, "util-linux"))
+        for path, package in needed:
             if not os.access(path, os.X_OK):
                 raise WorkerError(
                     f"{Path(path).name} not found: install it with `apt-get install -y {package}`"
                 )
         if not os.access("/bin/sh", os.X_OK):
             raise WorkerError("/bin/sh not found")
-        self._bwrap, self._setpriv = bwrap, setpriv
+        self._bwrap, self._setpriv, self._prlimit = bwrap, setpriv, prlimit
         await self._check_bwrap_version()
         self._check_uid_range()
 
@@ -220,15 +235,17 @@ class BwrapRuntime:
             found = await cgroups.cleanup_worker(self._cg_host, self.worker_name)
         except WorkerError as exc:
             raise WorkerError(f"cannot clean up after an earlier run: {exc.message}") from exc
+        unmounted = await asyncio.to_thread(disk.unmount_leftovers, self.sandboxes_dir)
         leftovers = [p for p in self.sandboxes_dir.iterdir()]
         for p in leftovers:
-            await asyncio.to_thread(_rmtree, p)
-        if found or leftovers:
+            await asyncio.to_thread(remove_tree, p)
+        if found or leftovers or unmounted:
             log.warning(
-                "runtime.leftovers_removed worker=%s cgroups=%s dirs=%s",
+                "runtime.leftovers_removed worker=%s cgroups=%s dirs=%s mounts=%s",
                 self.worker_name,
                 found,
                 [p.name for p in leftovers],
+                len(unmounted),
             )
         self._limits = self._cg_host.prepare(self.worker_name)
         self._cgroup_kill = self._cg_host.has_cgroup_kill(self.worker_name)
@@ -246,6 +263,18 @@ class BwrapRuntime:
         except OSError as exc:
             raise WorkerError(f"cannot write the sandbox /etc or seccomp filter: {exc}") from exc
         self._root_args = self._build_root_args()
+        self._disk_problem = await asyncio.to_thread(disk.probe, self.state_dir)
+        if self._disk_problem is not None:
+            log.warning(
+                "runtime.disk_quota_unavailable worker=%s (%s): /workspace and /tmp are not "
+                "size-limited on this host; disk_quota is reported false",
+                self.worker_name,
+                self._disk_problem,
+            )
+        try:
+            self._file_limits = fds.host_file_limits()
+        except (OSError, ValueError) as exc:
+            raise WorkerError(f"cannot read the host's file table size: {exc}") from exc
         self._prepared = True
         log.info("runtime.prepared worker=%s features=%s", self.worker_name, self.features())
 
@@ -357,10 +386,17 @@ class BwrapRuntime:
                 raise WorkerError(f"sandbox {spec.name!r} already exists on this worker") from None
             dir_created = True
             os.chmod(sandbox_dir, 0o711)
-            workspace = sandbox_dir / "workspace"
-            workspace.mkdir(mode=0o700)
-            os.chown(workspace, uid, uid)
-            os.chmod(workspace, 0o700)
+            tmp: Path | None = None
+            if self._disk_problem is None:
+                made = await asyncio.to_thread(
+                    disk.create, sandbox_dir, disk_mb=spec.disk_mb, uid=uid
+                )
+                workspace, tmp = made.workspace, made.tmp
+            else:
+                workspace = sandbox_dir / "workspace"
+                workspace.mkdir(mode=0o700)
+                os.chown(workspace, uid, uid)
+                os.chmod(workspace, 0o700)
             log_path = sandbox_dir / "agent.log"
             log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
             cg = cgroups.create_sandbox_cgroups(
@@ -373,9 +409,9 @@ class BwrapRuntime:
                 cpus=spec.cpus,
             )
             seccomp_fd = seccomp.open_filter(self.seccomp_path)
-            args = self._bwrap_args(spec, workspace, seccomp_fd)
+            args = self._bwrap_args(spec, workspace, tmp, seccomp_fd)
             args_fd = _memfd_with(b"".join(a.encode() + b"\0" for a in args))
-            cmd = self._command(uid, args_fd, argv)
+            cmd = self._command(uid, args_fd, argv, nofile=self.nofile_for(spec))
             process = await asyncio.create_subprocess_exec(
                 *cgroups.join_argv(cg.procs_files, cmd),
                 stdin=asyncio.subprocess.PIPE,
@@ -391,7 +427,7 @@ class BwrapRuntime:
                 await cg.kill_all(wait_s=2.0)
                 await cg.remove()
             if dir_created:
-                await asyncio.to_thread(_rmtree, sandbox_dir)
+                await asyncio.to_thread(_remove_sandbox_dir, sandbox_dir)
             if lease is not None:
                 lease.release()
             if isinstance(exc, InvalidRequestError | WorkerError) or not isinstance(exc, Exception):
@@ -431,11 +467,20 @@ class BwrapRuntime:
                 raise WorkerError(f"{f} must be world-readable (it is read by the sandbox uid)")
         self._agent_checked = True
 
-    def _command(self, uid: int, args_fd: int, argv: list[str]) -> list[str]:
-        """setpriv drops to the sandbox uid, then execs bwrap, which reads its options from
+    def nofile_for(self, spec: SandboxSpec) -> int:
+        """RLIMIT_NOFILE of each of the sandbox's processes (`fds` has the rule)."""
+        file_max, nr_open = self._file_limits
+        return fds.nofile_for(spec.pids, share=self.fd_share, file_max=file_max, nr_open=nr_open)
+
+    def _command(self, uid: int, args_fd: int, argv: list[str], *, nofile: int) -> list[str]:
+        """prlimit sets the descriptor limit (soft and hard: the sandbox cannot raise it),
+        setpriv drops to the sandbox uid, then execs bwrap, which reads its options from
         `args_fd` (so neither host `ps` nor the sandbox's /proc/1/cmdline shows host paths or
         the sandbox's environment; only `argv` is visible)."""
         return [
+            self._prlimit,
+            f"--nofile={nofile}:{nofile}",
+            "--",
             self._setpriv,
             f"--reuid={uid}",
             f"--regid={uid}",
@@ -450,7 +495,9 @@ class BwrapRuntime:
             *argv,
         ]
 
-    def _bwrap_args(self, spec: SandboxSpec, workspace: Path, seccomp_fd: int) -> list[str]:
+    def _bwrap_args(
+        self, spec: SandboxSpec, workspace: Path, tmp: Path | None, seccomp_fd: int
+    ) -> list[str]:
         """bwrap's options (not the command: bwrap takes that from its real argv only)."""
         cmd = [
             "--unshare-user",
@@ -467,7 +514,11 @@ class BwrapRuntime:
         if not spec.network:
             cmd.append("--unshare-net")
         cmd += self._root_args
-        cmd += ["--size", str(spec.memory_mb << 20), "--tmpfs", "/tmp"]
+        if tmp is not None:
+            cmd += ["--bind", str(tmp), "/tmp"]
+        else:  # no disk quota here: a tmpfs, bounded by the sandbox's memory limit
+            size = min(spec.memory_mb, spec.disk_mb) << 20
+            cmd += ["--size", str(size), "--tmpfs", "/tmp"]
         cmd += ["--bind", str(workspace), "/workspace"]
         cmd += ["--dir", "/opt", "--ro-bind", str(self.agent_dir), AGENT_MOUNT]
         cmd += [
@@ -533,9 +584,9 @@ class BwrapRuntime:
         sandbox_dir: Path | None = private.get("sandbox_dir")
         if sandbox_dir is not None:
             try:
-                await asyncio.to_thread(_rmtree, sandbox_dir)
-            except OSError as exc:
-                problems.append(f"cannot remove {sandbox_dir}: {exc}")
+                await asyncio.to_thread(_remove_sandbox_dir, sandbox_dir)
+            except (OSError, WorkerError) as exc:
+                problems.append(f"cannot remove {sandbox_dir}: {getattr(exc, 'message', exc)}")
         lease: UidLease | None = private.get("lease")
         if lease is not None and all_dead:
             # never hand the uid to a new sandbox while an old process might still run as it
@@ -558,5 +609,6 @@ def _memfd_with(data: bytes) -> int:
     return fd
 
 
-def _rmtree(path: Path) -> None:
-    remove_tree(path)
+def _remove_sandbox_dir(sandbox_dir: Path) -> None:
+    disk.remove(sandbox_dir)  # unmounted first: rm stays on one file system
+    remove_tree(sandbox_dir)

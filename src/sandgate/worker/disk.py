@@ -1,0 +1,157 @@
+"""A sandbox's disk: one ext4 file system image per sandbox, loop-mounted, holding its
+/workspace and /tmp. The kernel enforces the quota (see docs/decisions/0007-disk-quotas.md).
+
+The image is a sparse file of exactly the quota's size: the host loses at most that, however
+the sandbox writes; the inode count is fixed when it is made (`inodes_for`). Writing past
+either gives ENOSPC inside the sandbox. Mounted ``nosuid,nodev`` with ``discard``, so files
+the sandbox deletes give their blocks back to the host; ``mount -o loop`` sets the loop
+device to detach itself when the file system is unmounted.
+
+Blocking helpers (they run `mkfs.ext4`, `mount`, `umount`): call them in a thread.
+util-linux and e2fsprogs do the loop set-up and the file system: both are on every Debian
+host, and their loop-device allocation is race-free between concurrent mounts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandgate.errors import WorkerError
+from sandgate.worker.cgroups import unescape_mountinfo
+
+log = logging.getLogger(__name__)
+
+INODES_PER_MB = 64  # 1 GiB of quota -> 65,536 files and directories
+MIN_INODES = 2048
+MOUNT_OPTIONS = "loop,nosuid,nodev,noatime,discard"
+IMAGE_NAME = "disk.img"
+MOUNT_NAME = "disk"
+
+
+def inodes_for(disk_mb: int) -> int:
+    return max(MIN_INODES, disk_mb * INODES_PER_MB)
+
+
+@dataclass(frozen=True)
+class SandboxDisk:
+    image: Path
+    mount_point: Path
+    workspace: Path  # host path of the sandbox's /workspace
+    tmp: Path  # host path of its /tmp
+
+
+def _run(argv: list[str], what: str) -> None:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise WorkerError(f"{what}: {exc}") from exc
+    if done.returncode != 0:
+        detail = (done.stderr or done.stdout).strip().splitlines()
+        raise WorkerError(f"{what}: {detail[-1] if detail else f'exit {done.returncode}'}")
+
+
+def create(sandbox_dir: Path, *, disk_mb: int, uid: int) -> SandboxDisk:
+    """Make, mount and lay out the sandbox's file system; nothing is left on failure."""
+    image = sandbox_dir / IMAGE_NAME
+    mount_point = sandbox_dir / MOUNT_NAME
+    try:
+        with open(image, "xb") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.truncate(disk_mb << 20)
+        _run(
+            [
+                "mkfs.ext4",
+                "-q",
+                "-F",
+                "-b",
+                "4096",
+                "-m",
+                "0",
+                "-N",
+                str(inodes_for(disk_mb)),
+                "-O",
+                "^has_journal,^resize_inode",
+                "-E",
+                "lazy_itable_init=1,nodiscard",
+                str(image),
+            ],
+            "cannot make the sandbox file system",
+        )
+        mount_point.mkdir(mode=0o711)
+        _run(
+            ["mount", "-t", "ext4", "-o", MOUNT_OPTIONS, str(image), str(mount_point)],
+            "cannot mount the sandbox file system",
+        )
+        os.chmod(mount_point, 0o711)
+        workspace, tmp = mount_point / "workspace", mount_point / "tmp"
+        for path, mode in ((workspace, 0o700), (tmp, 0o1777)):
+            path.mkdir()
+            os.chown(path, uid, uid)
+            os.chmod(path, mode)
+    except BaseException:
+        remove(sandbox_dir)
+        raise
+    return SandboxDisk(image, mount_point, workspace, tmp)
+
+
+def remove(sandbox_dir: Path) -> None:
+    """Unmount the sandbox's file system (if mounted) and delete its image. Call it only
+    once the sandbox's processes are gone, or the unmount is refused while they hold it."""
+    mount_point = sandbox_dir / MOUNT_NAME
+    if os.path.ismount(mount_point):
+        _run(["umount", str(mount_point)], f"cannot unmount {mount_point}")
+    (sandbox_dir / IMAGE_NAME).unlink(missing_ok=True)
+
+
+def mounts_below(root: Path) -> list[Path]:
+    """Mount points at or below `root` in this mount namespace, deepest first."""
+    found: list[Path] = []
+    prefix = str(root.absolute()).rstrip("/") + "/"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                point = unescape_mountinfo(line.split()[4])
+                if point.startswith(prefix):
+                    found.append(Path(point))
+    except OSError:
+        return []
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+
+def unmount_leftovers(root: Path) -> list[Path]:
+    """Unmount what a crashed run left mounted below `root` (lazily when busy)."""
+    done: list[Path] = []
+    for point in mounts_below(root):
+        try:
+            _run(["umount", str(point)], f"cannot unmount {point}")
+        except WorkerError as exc:
+            log.warning("disk.unmount_busy point=%s (%s); detaching it lazily", point, exc)
+            _run(["umount", "-l", str(point)], f"cannot detach {point}")
+        done.append(point)
+    return done
+
+
+def probe(work_dir: Path) -> str | None:
+    """Why per-sandbox file systems cannot be made here (no loop devices, no mkfs.ext4,
+    not root), or None when they can: a tiny image is made, mounted and removed."""
+    probe_dir = work_dir / ".disk-probe"
+    try:
+        if probe_dir.exists():
+            remove(probe_dir)
+        else:
+            probe_dir.mkdir(mode=0o700)
+        create(probe_dir, disk_mb=16, uid=0)
+        remove(probe_dir)
+        return None
+    except (OSError, WorkerError) as exc:
+        return getattr(exc, "message", None) or str(exc)
+    finally:
+        try:
+            remove(probe_dir)
+            probe_dir.rmdir()
+        except (OSError, WorkerError):
+            pass

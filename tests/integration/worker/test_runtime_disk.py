@@ -1,0 +1,176 @@
+"""Disk quotas and descriptor bounds of the bwrap runtime, enforced by the real kernel
+(issue 10, points 2 and 5): a sandbox writing past its quota gets ENOSPC inside while the
+host loses at most the quota; the inode cap holds; nothing stays mounted after a stop or a
+crash; every process's RLIMIT_NOFILE keeps the sandbox within its share of file-max."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sandgate.worker import disk, fds
+from sandgate.worker.runtime.base import SandboxSpec
+from sandgate.worker.runtime.bwrap import BwrapRuntime
+from tests.integration.worker.conftest import Env, other_runtime
+from tests.integration.worker.test_runtime_bwrap import py, readline, run, uniq
+
+pytestmark = [
+    pytest.mark.bwrap,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
+]
+
+FILL = """
+import errno, json, os, sys
+path, chunk = sys.argv[1], b"x" * (1 << 20)
+written, error = 0, None
+try:
+    with open(path, "wb") as f:
+        while written < int(sys.argv[2]):
+            f.write(chunk)
+            f.flush()
+            written += 1
+        os.fsync(f.fileno())
+except OSError as exc:
+    error = errno.errorcode.get(exc.errno, str(exc.errno))
+print(json.dumps({"written_mb": written, "error": error}), flush=True)
+"""
+
+
+def loops_of(image: Path) -> str:
+    return subprocess.run(
+        ["losetup", "-j", str(image)], capture_output=True, text=True
+    ).stdout.strip()
+
+
+def test_the_runtime_reports_a_disk_quota_only_because_it_holds_here(rt: BwrapRuntime) -> None:
+    assert rt.features()["disk_quota"] is True
+    assert rt.features()["disk_quota_inodes_per_mb"] == disk.INODES_PER_MB
+
+
+def test_writing_past_the_quota_stops_inside_and_the_host_loses_at_most_the_quota(
+    rt: BwrapRuntime,
+) -> None:
+    before = os.statvfs(rt.state_dir)
+    spec = SandboxSpec(name=uniq("dd"), disk_mb=64)
+
+    async def scenario() -> tuple[dict[str, object], int]:
+        sb = await rt.start(spec, argv=py(FILL, "/workspace/big", "500"))
+        try:
+            line = await readline(sb, wait_s=60)
+            image = sb.private["sandbox_dir"] / disk.IMAGE_NAME
+            held = os.stat(image).st_blocks * 512  # what the host really gave the image
+            return json.loads(line), held
+        finally:
+            await rt.stop(sb)
+
+    got, held = asyncio.run(scenario())
+    assert got["error"] == "ENOSPC", got
+    assert 40 <= int(str(got["written_mb"])) < 64, got
+    assert held <= 64 << 20
+    after = os.statvfs(rt.state_dir)
+    lost = (before.f_bavail - after.f_bavail) * after.f_frsize
+    assert lost < 64 << 20  # the image is gone again; at worst it held the quota
+
+
+def test_workspace_and_tmp_share_one_quota(rt: BwrapRuntime) -> None:
+    code = """
+    import errno, json
+    out = {}
+    for path in ("/tmp/a", "/workspace/b"):
+        n = 0
+        try:
+            with open(path, "wb") as f:
+                for n in range(1, 41):
+                    f.write(b"y" * (1 << 20))
+                    f.flush()
+        except OSError as exc:
+            out[path] = [n, errno.errorcode[exc.errno]]
+        else:
+            out[path] = [n, None]
+    print(json.dumps(out))
+    """
+    got = run(rt, py(code), SandboxSpec(name=uniq("tmp"), disk_mb=64)).json()
+    assert got["/tmp/a"] == [40, None], got
+    assert got["/workspace/b"][1] == "ENOSPC" and got["/workspace/b"][0] < 40, got
+
+
+def test_the_inode_cap_stops_a_file_flood(rt: BwrapRuntime) -> None:
+    code = """
+    import errno, json, os
+    made, error = 0, None
+    try:
+        while made < 100_000:
+            os.close(os.open(f"/workspace/f{made}", os.O_CREAT | os.O_WRONLY, 0o600))
+            made += 1
+    except OSError as exc:
+        error = errno.errorcode[exc.errno]
+    print(json.dumps({"made": made, "error": error}))
+    """
+    got = run(rt, py(code), SandboxSpec(name=uniq("ino"), disk_mb=64)).json()
+    assert got["error"] == "ENOSPC", got
+    assert got["made"] <= disk.inodes_for(64), got
+
+
+def test_a_stop_unmounts_detaches_and_deletes_the_image(rt: BwrapRuntime) -> None:
+    async def scenario() -> tuple[Path, Path, bool, str]:
+        sb = await rt.start(SandboxSpec(name=uniq("um")), argv=py("print('up')"))
+        sandbox_dir: Path = sb.private["sandbox_dir"]
+        image = sandbox_dir / disk.IMAGE_NAME
+        mounted = await asyncio.to_thread(os.path.ismount, sandbox_dir / disk.MOUNT_NAME)
+        loop = loops_of(image)
+        await readline(sb)
+        await rt.stop(sb)
+        return sandbox_dir, image, mounted, loop
+
+    sandbox_dir, image, mounted, loop = asyncio.run(scenario())
+    assert mounted and loop  # it was a loop-mounted file system of its own
+    assert not sandbox_dir.exists()
+    assert disk.mounts_below(sandbox_dir) == []
+    assert loops_of(image) == ""
+
+
+def test_a_restart_after_a_crash_unmounts_what_the_dead_worker_left(env: Env) -> None:
+    first = other_runtime(env)
+    asyncio.run(first.prepare())
+
+    async def start_and_abandon() -> Path:
+        sb = await first.start(SandboxSpec(name=uniq("crash")), argv=py("print('up')"))
+        await readline(sb)
+        # the worker "crashes": never stopped; its pipes close and the sandbox dies with them
+        sb.process._transport.close()  # type: ignore[attr-defined]
+        await sb.process.wait()
+        sandbox_dir: Path = sb.private["sandbox_dir"]
+        return sandbox_dir
+
+    sandbox_dir = asyncio.run(start_and_abandon())
+    assert disk.mounts_below(first.sandboxes_dir)
+    second = env.runtime(first.worker_name)
+    asyncio.run(second.prepare())
+    assert disk.mounts_below(first.sandboxes_dir) == []
+    assert not sandbox_dir.exists()
+
+
+def test_every_process_gets_a_descriptor_limit_it_cannot_raise(rt: BwrapRuntime) -> None:
+    code = """
+    import json, resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard + 1, hard + 1))
+        raised = True
+    except (ValueError, OSError):
+        raised = False
+    print(json.dumps({"soft": soft, "hard": hard, "raised": raised}))
+    """
+    spec = SandboxSpec(name=uniq("fd"), pids=256)
+    got = run(rt, py(code), spec).json()
+    file_max, nr_open = fds.host_file_limits()
+    expected = fds.nofile_for(256, share=rt.fd_share, file_max=file_max, nr_open=nr_open)
+    assert got == {"soft": expected, "hard": expected, "raised": False}, got
+    # the whole sandbox at its limits holds at most its share of the host's file table
+    assert 256 * expected <= rt.fd_share * file_max or expected == fds.MIN_NOFILE
+    assert expected < 20_000  # the worker's own (inherited) limit no longer applies
