@@ -7,12 +7,13 @@ SandgateError                      code, message (both shown to the user)
 │   ├── NetworkUnavailableError    network asked for, worker cannot give it safely (422)
 │   └── ResourceCapError           resources above the operator's cap; carries cap, value (422)
 ├── AuthError                      missing or unknown credentials (401)
+├── ForbiddenError                 a valid key of the wrong kind for the route (403)
 ├── NotFoundError                  no such sandbox/file for this tenant (404)
 ├── ConflictError                  the target exists or is in the wrong state (409)
 ├── PayloadTooLargeError           body over the documented cap (413)
-├── LimitExceededError             a configured limit was hit; carries limit, retry_after (429)
 ├── StorageFullError               the host's disk is full under a write (507)
 │   └── DiskQuotaExceededError     the sandbox's disk quota is full (507)
+├── LimitExceededError             a configured limit was hit; carries limit, retry_after (429)
 ├── UnavailableError               try again later; carries retry_after (503)
 │   ├── NoCapacityError            no connected worker has room
 │   └── TunnelUnavailableError     the sandbox's worker is not connected
@@ -68,6 +69,12 @@ class AuthError(SandgateError):
     code = "unauthorized"
 
 
+class ForbiddenError(SandgateError):
+    """A valid key of a kind this route does not take (an admin key on a tenant route)."""
+
+    code = "forbidden"
+
+
 class NotFoundError(SandgateError):
     code = "not_found"
 
@@ -80,13 +87,6 @@ class PayloadTooLargeError(SandgateError):
     code = "payload_too_large"
 
 
-class LimitExceededError(SandgateError):
-    """A limit of the deployment or the tenant; `limit` names it, as the user configured it."""
-
-    code = "limit_exceeded"
-
-    def __init__(
-        self, message: str, *, limit: str, retry_after: float, code: str | None = None
 class StorageFullError(SandgateError):
     """A write found no space: on a worker that enforces no quota, the host's disk."""
 
@@ -97,6 +97,13 @@ class DiskQuotaExceededError(StorageFullError):
     code = "disk_quota_exceeded"
 
 
+class LimitExceededError(SandgateError):
+    """A limit of the deployment or the tenant; `limit` names it, as the user configured it."""
+
+    code = "limit_exceeded"
+
+    def __init__(
+        self, message: str, *, limit: str, retry_after: float, code: str | None = None
     ) -> None:
         super().__init__(message, code=code)
         self.limit = limit

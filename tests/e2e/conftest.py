@@ -105,6 +105,7 @@ class Cluster:
     secret_file: Path
     key: str
     worker_token: str
+    admin_key: str = ""  # `sandgate keys create --admin`: the fleet-wide views
     instances: dict[str, Instance] = field(default_factory=dict)
     worker: subprocess.Popen[bytes] | None = None
     worker_log: Path | None = None
@@ -356,6 +357,7 @@ def running_cluster(
             secret_file=secret_file,
             key=sandgate("keys", "create", "--db", db_url, "--tenant", "e2e"),
             worker_token=sandgate("keys", "create", "--db", db_url, "--worker", "--name", WORKER),
+            admin_key=sandgate("keys", "create", "--db", db_url, "--admin"),
         )
         a = cl.start_instance("A", extra=extra, port=a_port, node_url=a_node_url)
         cl.start_instance("B", extra=extra)

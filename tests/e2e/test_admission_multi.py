@@ -250,9 +250,12 @@ def full(pg_dsn: str, tmp_path: Path) -> Iterator[Cluster]:
 async def _queue_scenario(cl: Cluster) -> None:
     a, b = cl.instances["A"], cl.instances["B"]
     headers = {"Authorization": f"Bearer {cl.key}"}
+    fleet = {"Authorization": f"Bearer {cl.admin_key}"}  # the whole queue: an admin's view
     async with (
         httpx.AsyncClient(base_url=a.url, headers=headers, timeout=120) as ca,
         httpx.AsyncClient(base_url=b.url, headers=headers, timeout=120) as cb,
+        httpx.AsyncClient(base_url=a.url, headers=fleet, timeout=120) as fa,
+        httpx.AsyncClient(base_url=b.url, headers=fleet, timeout=120) as fb,
     ):
         filler = await ca.post("/api/v1/sandboxes", json={})
         assert filler.status_code == 201, filler.text
@@ -261,7 +264,7 @@ async def _queue_scenario(cl: Cluster) -> None:
             client = (ca, cb)[i % 2]
             waiting.append(asyncio.create_task(client.post("/api/v1/sandboxes", json={})))
             for _ in range(50):
-                status = (await ca.get("/api/v1/admission")).json()
+                status = (await fa.get("/api/v1/admission")).json()
                 if status["queue"]["length"] == i + 1:
                     break
                 await asyncio.sleep(0.1)
@@ -274,15 +277,17 @@ async def _queue_scenario(cl: Cluster) -> None:
             assert over.json()["error"]["limit"] == "queue_limit"
             assert int(over.headers["Retry-After"]) >= 1
         assert not any(t.done() for t in waiting)
-        for client in (ca, cb):
+        for client in (fa, fb):
             assert (await client.get("/api/v1/admission")).json()["queue"]["length"] == 10
+        for client in (ca, cb):  # all 10 are this tenant's: its own view counts the same
+            assert (await client.get("/api/v1/admission")).json()["queue"]["your_queued"] == 10
 
         # capacity comes free: the head of the queue (the first one queued) gets it
         assert (await cb.delete(f"/api/v1/sandboxes/{filler.json()['name']}")).status_code == 204
         first = await asyncio.wait_for(asyncio.shield(waiting[0]), timeout=30)
         assert first.status_code == 201, first.text
         assert not any(t.done() for t in waiting[1:])
-        length = (await ca.get("/api/v1/admission")).json()["queue"]["length"]
+        length = (await fa.get("/api/v1/admission")).json()["queue"]["length"]
         assert length == 9
 
         # clients that leave give their places back
@@ -290,7 +295,7 @@ async def _queue_scenario(cl: Cluster) -> None:
             task.cancel()
         await asyncio.gather(*waiting[1:], return_exceptions=True)
         for _ in range(50):
-            length = (await cb.get("/api/v1/admission")).json()["queue"]["length"]
+            length = (await fb.get("/api/v1/admission")).json()["queue"]["length"]
             if length == 0:
                 break
             await asyncio.sleep(0.2)

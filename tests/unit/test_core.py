@@ -53,3 +53,8 @@ def test_credentials() -> None:
     assert len(tenant_key) > 40
     assert credentials.key_hash(tenant_key) == hashlib.sha256(tenant_key.encode()).hexdigest()
     assert credentials.key_hash(tenant_key) != credentials.key_hash(worker_key)
+    admin_key = credentials.new_key("admin")
+    assert admin_key.startswith("sga_") and len(admin_key) > 40
+    # three distinct prefixes: none is a prefix of another
+    prefixes = (credentials.TENANT_PREFIX, credentials.WORKER_PREFIX, credentials.ADMIN_PREFIX)
+    assert all(a == b or not b.startswith(a) for a in prefixes for b in prefixes)

@@ -1,4 +1,11 @@
-"""Request dependencies: the app's services and the caller's tenant."""
+"""Request dependencies: the app's services and who calls.
+
+Three kinds of key (`sandgate keys create`): a tenant key (`sg_`) calls the API as its
+tenant; a worker token (`sgw_`) only dials `/tunnel`; an admin key (`sga_`) is an operator's
+and reads the fleet-wide views (`GET /api/v1/workers`, `GET /api/v1/admission`) and nothing
+else: on a tenant's routes it is refused with 403, since it belongs to no tenant. A tenant key
+on those views gets its own, tenant-scoped numbers, never a 403.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ from sandgate.control.exec_jobs import ExecJobService
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.workers import WorkerRegistry
 from sandgate.core.credentials import key_hash
-from sandgate.errors import AuthError
+from sandgate.errors import AuthError, ForbiddenError
 from sandgate.local_state import ServerLocalState
 from sandgate.store.base import ApiKey, Store, TenantId
 
@@ -57,11 +64,46 @@ async def resolve_key(svc: Services, key: str | None) -> ApiKey:
     return record
 
 
-async def tenant(request: Request) -> TenantId:
-    """The tenant of a tenant API key, within its rate limit. Worker tokens cannot call the API."""
-    svc = services(request)
-    record = await resolve_key(svc, presented_key(request.headers))
+def tenant_of(record: ApiKey) -> TenantId:
+    """The tenant of a tenant API key; any other kind of key is refused."""
+    if record.kind == "admin":
+        raise ForbiddenError(
+            "this is an admin key: it reads only the fleet-wide views (GET /api/v1/workers, "
+            "GET /api/v1/admission); a tenant's routes take that tenant's API key "
+            "(sandgate keys create --tenant NAME)"
+        )
     if record.kind != "tenant" or record.tenant_id is None:
         raise AuthError("this is a worker token; the API takes tenant API keys")
-    await svc.admission.check_rate(record.tenant_id)
     return record.tenant_id
+
+
+async def tenant(request: Request) -> TenantId:
+    """The tenant of a tenant API key, within its rate limit. Worker tokens cannot call the API;
+    admin keys are refused (403)."""
+    svc = services(request)
+    who = tenant_of(await resolve_key(svc, presented_key(request.headers)))
+    await svc.admission.check_rate(who)
+    return who
+
+
+@dataclass(frozen=True)
+class Viewer:
+    """Who reads a view that is fleet-wide for an admin key and scoped for a tenant key:
+    `tenant` is the tenant whose numbers are shown, None for an admin (the whole fleet)."""
+
+    tenant: TenantId | None
+
+    @property
+    def admin(self) -> bool:
+        return self.tenant is None
+
+
+async def viewer(request: Request) -> Viewer:
+    """An admin key (the fleet-wide view) or a tenant key (its own view, within its rate limit)."""
+    svc = services(request)
+    record = await resolve_key(svc, presented_key(request.headers))
+    if record.kind == "admin":
+        return Viewer(None)
+    who = tenant_of(record)
+    await svc.admission.check_rate(who)
+    return Viewer(who)

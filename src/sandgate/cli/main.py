@@ -79,6 +79,14 @@ def keys_create(
     worker: Annotated[
         bool, typer.Option("--worker", envvar="SANDGATE_WORKER", help="a worker token")
     ] = False,
+    admin: Annotated[
+        bool,
+        typer.Option(
+            "--admin",
+            envvar="SANDGATE_ADMIN",
+            help="an admin key: reads the fleet-wide views, no tenant's routes",
+        ),
+    ] = False,
     name: Annotated[
         str,
         typer.Option(
@@ -87,15 +95,18 @@ def keys_create(
     ] = "",
     log_level: LogOpt = "WARNING",
 ) -> None:
-    """Print a new tenant API key (--tenant NAME) or worker token (--worker [--name N])."""
+    """Print a new tenant API key (--tenant NAME), worker token (--worker [--name N]) or admin
+    key (--admin [--name LABEL])."""
     logs.setup(log_level)
-    if (tenant is None) == (not worker):
-        raise typer.BadParameter("give exactly one of --tenant NAME or --worker")
-    key = asyncio.run(_create_key(db, tenant, name))
+    if (tenant is not None) + worker + admin != 1:
+        raise typer.BadParameter("give exactly one of --tenant NAME, --worker or --admin")
+    key = asyncio.run(_create_key(db, tenant, name, admin=admin))
     typer.echo(key)
 
 
-async def _create_key(db: str, tenant: str | None, worker_name: str = "") -> str:
+async def _create_key(
+    db: str, tenant: str | None, worker_name: str = "", *, admin: bool = False
+) -> str:
     from datetime import UTC, datetime
 
     from sandgate.core.credentials import key_hash, new_key
@@ -110,6 +121,11 @@ async def _create_key(db: str, tenant: str | None, worker_name: str = "") -> str
             key = new_key("tenant")
             await store.add_api_key(
                 ApiKey(key_hash(key), "tenant", record.id, datetime.now(UTC), label=tenant)
+            )
+        elif admin:
+            key = new_key("admin")
+            await store.add_api_key(
+                ApiKey(key_hash(key), "admin", None, datetime.now(UTC), label=worker_name)
             )
         else:
             key = new_key("worker")
@@ -294,6 +310,12 @@ def server(
     max_pids: Annotated[
         int, typer.Option(envvar="SANDGATE_MAX_PIDS", min=8, help="cap per sandbox")
     ] = 1024,
+    max_disk_mb: Annotated[
+        int,
+        typer.Option(
+            envvar="SANDGATE_MAX_DISK_MB", min=64, help="disk quota cap per sandbox (MiB)"
+        ),
+    ] = 10240,
     default_memory_mb: Annotated[
         int,
         typer.Option(
@@ -307,6 +329,12 @@ def server(
     default_pids: Annotated[
         int, typer.Option(envvar="SANDGATE_DEFAULT_PIDS", min=8, help="a sandbox that asks none")
     ] = 256,
+    default_disk_mb: Annotated[
+        int,
+        typer.Option(
+            envvar="SANDGATE_DEFAULT_DISK_MB", min=64, help="a sandbox that asks for none"
+        ),
+    ] = 1024,
     admission: Annotated[
         bool,
         typer.Option(
@@ -326,12 +354,6 @@ def server(
 
     logs.setup(log_level)
     try:
-    max_disk_mb: Annotated[
-        int,
-        typer.Option(
-            envvar="SANDGATE_MAX_DISK_MB", min=64, help="disk quota cap per sandbox (MiB)"
-        ),
-    ] = 10240,
         active_faults = faults.from_environment()
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="SANDGATE_FAULTS") from None
@@ -345,21 +367,17 @@ def server(
         if secret_file is None:
             raise typer.BadParameter(
                 "on PostgreSQL all instances share one secret: give each the same --secret-file",
-    default_disk_mb: Annotated[
-        int,
-        typer.Option(
-            envvar="SANDGATE_DEFAULT_DISK_MB", min=64, help="a sandbox that asks for none"
-        ),
-    ] = 1024,
                 param_hint="--secret-file",
             )
     resource_caps = ResourceCaps(
         max_memory_mb=max_memory_mb,
         max_cpus=max_cpus,
         max_pids=max_pids,
+        max_disk_mb=max_disk_mb,
         default_memory_mb=default_memory_mb,
         default_cpus=default_cpus,
         default_pids=default_pids,
+        default_disk_mb=default_disk_mb,
     )
     if problem := resource_caps.problem():
         raise typer.BadParameter(f"{problem}: lower the default or raise the cap")
@@ -389,11 +407,9 @@ def server(
         faults=active_faults,
     )
     make_server(settings, own_signals=True).run()
-        max_disk_mb=max_disk_mb,
 
 
 @app.command()
-        default_disk_mb=default_disk_mb,
 def worker(
     server: Annotated[str, typer.Option(envvar="SANDGATE_SERVER", help="control plane URL")],
     token: Annotated[str, typer.Option(envvar="SANDGATE_TOKEN", help="worker token")],
@@ -413,6 +429,15 @@ def worker(
             help="let network=true sandboxes use the HOST network namespace",
         ),
     ] = False,
+    fd_share: Annotated[
+        float,
+        typer.Option(
+            envvar="SANDGATE_FD_SHARE",
+            min=0.001,
+            max=1.0,
+            help="share of the host's fs.file-max one sandbox may hold (sets RLIMIT_NOFILE)",
+        ),
+    ] = 0.1,
     log_level: LogOpt = "INFO",
 ) -> None:
     """Run a worker: dial the control plane and host sandboxes."""
@@ -435,6 +460,7 @@ def worker(
         runtime=runtime,
         state_dir=state_dir,
         allow_network=allow_network,
+        fd_share=fd_share,
         faults=active_faults,
     )
     with _runner() as runner:
@@ -446,15 +472,6 @@ def up(
     port: Annotated[int, typer.Option(envvar="SANDGATE_PORT")] = 8080,
     host: Annotated[str, typer.Option(envvar="SANDGATE_HOST")] = "127.0.0.1",
     data_dir: Annotated[
-    fd_share: Annotated[
-        float,
-        typer.Option(
-            envvar="SANDGATE_FD_SHARE",
-            min=0.001,
-            max=1.0,
-            help="share of the host's fs.file-max one sandbox may hold (sets RLIMIT_NOFILE)",
-        ),
-    ] = 0.1,
         Path,
         typer.Option(
             envvar="SANDGATE_DATA_DIR",
@@ -477,7 +494,6 @@ def up(
     ] = None,
     log_level: LogOpt = "INFO",
 ) -> None:
-        fd_share=fd_share,
     """All in one: an API instance on SQLite in the data dir plus one local worker, restarted
     if it dies and stopped with `up` (even on SIGKILL)."""
     from sandgate.cli.up import run_up

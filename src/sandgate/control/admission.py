@@ -284,43 +284,67 @@ class Admission:
             log.error("breaker.opened", extra={"reason": record.reason})
 
     # -- GET /api/v1/admission -------------------------------------------------------------------
-    async def status(self, tenant: TenantId) -> dict[str, Any]:
+    async def status(self, tenant: TenantId | None) -> dict[str, Any]:
+        """GET /api/v1/admission. `tenant` None (an admin key): the fleet-wide view, every
+        queued create and every recent timeout, named. A tenant: only its own queued creates,
+        its own recent timeouts and its limits; the breaker as is, since it answers everyone's
+        creates (its count of timeouts included), but no global queue length."""
         now = utcnow()
         snapshot = await self.store.admission_snapshot(now)
         record = snapshot.breaker
         since = breaker.window_start(record, now, self.policy)
-        recent = await self.store.list_scheduling_timeouts(
-            now - timedelta(seconds=self.policy.window), RECENT_TIMEOUTS
+        window_start = now - timedelta(seconds=self.policy.window)
+        recent = await self.store.list_scheduling_timeouts(window_start, RECENT_TIMEOUTS)
+        breaker_view = {
+            "state": record.state,
+            "reason": record.reason,
+            "opened_at": record.opened_at,
+            "closes_at": record.open_until if record.state == "open" else None,
+            "trial_started_at": record.trial_at if record.state == "half_open" else None,
+            "threshold": self.policy.threshold,
+            "window": self.policy.window,
+            "open_for": self.policy.open_for,
+            "counted_timeouts": sum(1 for t in recent if t.at >= since),
+        }
+        queue_config = {"limit": self.settings.queue_limit, "timeout": self.settings.queue_timeout}
+        if tenant is None:
+            return {
+                "view": "fleet",
+                "enabled": self.enabled,
+                "queue": {"length": snapshot.queued, **queue_config},
+                "breaker": breaker_view,
+                "recent_timeouts": [
+                    {
+                        "at": t.at,
+                        "sandbox": t.sandbox_name,
+                        "tenant_id": t.tenant_id,
+                        "instance": instance_label(t.node_url),
+                        "reason": t.reason,
+                    }
+                    for t in recent
+                ],
+            }
+        own = await self.store.list_tenant_scheduling_timeouts(
+            tenant, window_start, RECENT_TIMEOUTS
         )
         limits = await self.limits(tenant)
         return {
+            "view": "tenant",
             "enabled": self.enabled,
             "queue": {
-                "length": snapshot.queued,
-                "limit": self.settings.queue_limit,
-                "timeout": self.settings.queue_timeout,
+                "your_queued": await self.store.count_tenant_queued(tenant, now),
+                **queue_config,
             },
-            "breaker": {
-                "state": record.state,
-                "reason": record.reason,
-                "opened_at": record.opened_at,
-                "closes_at": record.open_until if record.state == "open" else None,
-                "trial_started_at": record.trial_at if record.state == "half_open" else None,
-                "threshold": self.policy.threshold,
-                "window": self.policy.window,
-                "open_for": self.policy.open_for,
-                "counted_timeouts": sum(1 for t in recent if t.at >= since),
-            },
+            "breaker": breaker_view,
             "recent_timeouts": [
                 {
                     "at": t.at,
-                    # another tenant's sandbox name is not this tenant's business
-                    "sandbox": t.sandbox_name if t.tenant_id == tenant else None,
+                    "sandbox": t.sandbox_name,
                     # which instance saw it, without telling tenants internal addresses
                     "instance": instance_label(t.node_url),
                     "reason": t.reason,
                 }
-                for t in recent
+                for t in own
             ],
             "tenant_limits": None
             if limits is None

@@ -12,11 +12,13 @@ from typing import Literal
 
 TENANT_PREFIX = "sg_"
 WORKER_PREFIX = "sgw_"
+ADMIN_PREFIX = "sga_"  # an operator's key: the fleet-wide read views, never a tenant's routes
+
+_PREFIXES = {"tenant": TENANT_PREFIX, "worker": WORKER_PREFIX, "admin": ADMIN_PREFIX}
 
 
-def new_key(kind: Literal["tenant", "worker"]) -> str:
-    prefix = TENANT_PREFIX if kind == "tenant" else WORKER_PREFIX
-    return prefix + secrets.token_urlsafe(32)
+def new_key(kind: Literal["tenant", "worker", "admin"]) -> str:
+    return _PREFIXES[kind] + secrets.token_urlsafe(32)
 
 
 def key_hash(key: str) -> str:

@@ -18,7 +18,7 @@ WorkerName = NewType("WorkerName", str)
 JobId = NewType("JobId", str)
 ExecJobId = NewType("ExecJobId", str)
 
-KeyKind = Literal["tenant", "worker"]
+KeyKind = Literal["tenant", "worker", "admin"]  # admin: fleet-wide read views only
 SandboxState = Literal["pending", "running", "stopped", "error", "deleted"]
 JobState = Literal["pending", "completed", "failed"]
 ExecJobState = Literal["queued", "running", "succeeded", "failed"]
@@ -180,6 +180,17 @@ class Store(Protocol):
     ) -> list[Sandbox]: ...
     async def count_live_sandboxes(self, worker: WorkerName) -> int: ...  # pending + running
     async def count_tenant_live_sandboxes(self, tenant_id: TenantId) -> int: ...
+    # tenant-scoped views (GET /api/v1/workers, /api/v1/admission; None: the whole fleet):
+    # live (pending + running) sandboxes per worker, workers without any left out
+    async def live_sandboxes_per_worker(
+        self, tenant_id: TenantId | None = None
+    ) -> dict[WorkerName, int]: ...
+    # this tenant's live tickets in the create queue
+    async def count_tenant_queued(self, tenant_id: TenantId, now: datetime) -> int: ...
+    # this tenant's scheduling timeouts since `since`, newest first
+    async def list_tenant_scheduling_timeouts(
+        self, tenant_id: TenantId, since: datetime, limit: int
+    ) -> list[SchedulingTimeout]: ...
     async def list_expired(self, now: datetime, limit: int) -> list[Sandbox]: ...  # running
     # pending sandboxes created before `before`: their create never finished
     async def list_stale_pending(self, before: datetime, limit: int) -> list[Sandbox]: ...

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from sqlalchemy import (
     ColumnElement,
+    Integer,
     Row,
     and_,
     bindparam,
@@ -65,6 +66,7 @@ from sandgate.store.base import (
     SandboxFilter,
     SandboxName,
     SandboxState,
+    SchedulingTimeout,
     Store,
     Tenant,
     TenantId,
@@ -74,12 +76,14 @@ from sandgate.store.base import (
 from sandgate.store.migrate import async_url
 from sandgate.store.ops import store_op as _store_op
 from sandgate.store.schema import (
+    admission_tickets,
     api_keys,
     exec_jobs,
     idempotency_keys,
     instances,
     jobs,
     sandboxes,
+    scheduling_timeouts,
     tenants,
     tunnel_owners,
     workers,
@@ -140,6 +144,30 @@ _COUNT_WORKER_SANDBOXES = (
         sandboxes.c.worker == bindparam("b_worker"),
         sandboxes.c.state.in_(bindparam("b_states", expanding=True)),
     )
+)
+# tenant-scoped views (GET /api/v1/workers, /api/v1/admission)
+_LIVE_PER_WORKER = (
+    select(sandboxes.c.worker, func.count().label("live"))
+    .where(sandboxes.c.worker.is_not(None), sandboxes.c.state.in_(_LIVE_STATES))
+    .group_by(sandboxes.c.worker)
+)
+_TENANT_LIVE_PER_WORKER = _LIVE_PER_WORKER.where(sandboxes.c.tenant_id == bindparam("b_tenant_id"))
+_COUNT_TENANT_TICKETS = (
+    select(func.count())
+    .select_from(admission_tickets)
+    .where(
+        admission_tickets.c.tenant_id == bindparam("b_tenant_id"),
+        admission_tickets.c.expires_at >= bindparam("b_now"),
+    )
+)
+_LIST_TENANT_TIMEOUTS = (
+    select(scheduling_timeouts)
+    .where(
+        scheduling_timeouts.c.tenant_id == bindparam("b_tenant_id"),
+        scheduling_timeouts.c.at >= bindparam("b_since"),
+    )
+    .order_by(scheduling_timeouts.c.id.desc())
+    .limit(bindparam("b_limit", type_=Integer))
 )
 _SELECT_EXPIRED = (
     select(sandboxes)
@@ -866,6 +894,38 @@ class SqlStore(AdmissionQueries):
             _COUNT_WORKER_SANDBOXES, {"b_worker": worker, "b_states": list(_LIVE_STATES)}
         )
         return 0 if row is None else int(row[0])
+
+    @_store_op
+    async def live_sandboxes_per_worker(
+        self, tenant_id: TenantId | None = None
+    ) -> dict[WorkerName, int]:
+        if tenant_id is None:
+            rows = await self._fetch_all(_LIVE_PER_WORKER, {})
+        else:
+            rows = await self._fetch_all(_TENANT_LIVE_PER_WORKER, {"b_tenant_id": tenant_id})
+        return {WorkerName(r.worker): int(r.live) for r in rows}
+
+    @_store_op
+    async def count_tenant_queued(self, tenant_id: TenantId, now: datetime) -> int:
+        row = await self._fetch_one(_COUNT_TENANT_TICKETS, {"b_tenant_id": tenant_id, "b_now": now})
+        return 0 if row is None else int(row[0])
+
+    @_store_op
+    async def list_tenant_scheduling_timeouts(
+        self, tenant_id: TenantId, since: datetime, limit: int
+    ) -> list[SchedulingTimeout]:
+        params = {"b_tenant_id": tenant_id, "b_since": since, "b_limit": limit}
+        rows = await self._fetch_all(_LIST_TENANT_TIMEOUTS, params)
+        return [
+            SchedulingTimeout(
+                at=r.at,
+                sandbox_name=SandboxName(r.sandbox_name),
+                tenant_id=TenantId(r.tenant_id),
+                node_url=r.node_url,
+                reason=r.reason,
+            )
+            for r in rows
+        ]
 
     @_store_op
     async def release_idempotency(self, tenant_id: TenantId, sandbox_name: SandboxName) -> bool:

@@ -61,6 +61,7 @@ class Deployment:
     state_dir: Path
     keys: dict[str, str]
     worker_token: str
+    admin_key: str = ""  # `sandgate keys create --admin`: the fleet-wide views
     server: subprocess.Popen[bytes] | None = None
     worker: subprocess.Popen[bytes] | None = None
     logs: list[Path] = field(default_factory=list)
@@ -70,6 +71,15 @@ class Deployment:
         return httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {self.keys[tenant]}"},
+            **options,  # type: ignore[arg-type]
+        )
+
+    def admin(self, **kw: object) -> httpx.Client:
+        """A client with the deployment's admin key (the fleet-wide views)."""
+        options: dict[str, object] = {"timeout": 60.0, **kw}
+        return httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {self.admin_key}"},
             **options,  # type: ignore[arg-type]
         )
 
@@ -139,6 +149,7 @@ def start_deployment(
     db = f"sqlite:///{data_dir / 'sandgate.db'}"
     keys = {t: sandgate("keys", "create", "--db", db, "--tenant", t) for t in ("alpha", "beta")}
     token = sandgate("keys", "create", "--db", db, "--worker")
+    admin_key = sandgate("keys", "create", "--db", db, "--admin")
     port = free_port()
     state_dir = Path("/var/lib/sandgate-test") / uuid.uuid4().hex[:10]
     dep = Deployment(
@@ -148,6 +159,7 @@ def start_deployment(
         state_dir=state_dir,
         keys=keys,
         worker_token=token,
+        admin_key=admin_key,
     )
     with open(data_dir / "server.log", "ab") as log:
         dep.server = subprocess.Popen(

@@ -41,8 +41,13 @@ def tenant(dep: Deployment, name: str, *limits: str) -> httpx.Client:
 def test_admission_status_shows_queue_breaker_and_own_limits(small: Deployment) -> None:
     with tenant(small, "plain") as plain, tenant(small, "capped", "--max-sandboxes", "4") as capped:
         status = plain.get("/api/v1/admission").json()
-        assert status["enabled"] is True
-        assert status["queue"] == {"length": 0, "limit": 1, "timeout": 120.0}
+        assert status["view"] == "tenant" and status["enabled"] is True
+        assert status["queue"] == {"your_queued": 0, "limit": 1, "timeout": 120.0}
+        with small.admin() as admin:
+            fleet = admin.get("/api/v1/admission").json()
+        assert fleet["view"] == "fleet"
+        assert fleet["queue"] == {"length": 0, "limit": 1, "timeout": 120.0}
+        assert fleet["breaker"] == status["breaker"] and "tenant_limits" not in fleet
         breaker = status["breaker"]
         assert breaker["state"] == "closed" and breaker["reason"] is None
         assert (breaker["threshold"], breaker["window"], breaker["open_for"]) == (3, 600.0, 60.0)
@@ -81,7 +86,11 @@ def test_quota_of_live_sandboxes(small: Deployment) -> None:
 
 
 def test_a_full_worker_queues_creates_up_to_the_limit(small: Deployment) -> None:
-    with small.client() as alpha, concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+    with (
+        small.client() as alpha,
+        small.admin() as admin,
+        concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool,
+    ):
         filler = alpha.post("/api/v1/sandboxes", json={})
         assert filler.status_code == 201, filler.text
 
@@ -91,7 +100,7 @@ def test_a_full_worker_queues_creates_up_to_the_limit(small: Deployment) -> None
 
         queued = pool.submit(create_queued)
         wait_until(
-            lambda: alpha.get("/api/v1/admission").json()["queue"]["length"] == 1,
+            lambda: admin.get("/api/v1/admission").json()["queue"]["length"] == 1,
             what="one create queued",
         )
         over = alpha.post("/api/v1/sandboxes", json={})
@@ -106,7 +115,7 @@ def test_a_full_worker_queues_creates_up_to_the_limit(small: Deployment) -> None
         assert alpha.delete(f"/api/v1/sandboxes/{filler.json()['name']}").status_code == 204
         placed = queued.result(timeout=60)
         assert placed.status_code == 201, placed.text
-        assert alpha.get("/api/v1/admission").json()["queue"]["length"] == 0
+        assert admin.get("/api/v1/admission").json()["queue"]["length"] == 0
         assert alpha.delete(f"/api/v1/sandboxes/{placed.json()['name']}").status_code == 204
 
 
@@ -119,7 +128,7 @@ def test_tenants_limit_refuses_nonsense(small: Deployment) -> None:
 
 
 def test_a_keyed_create_outlives_its_client_leaving_the_queue(small: Deployment) -> None:
-    with small.client() as alpha:
+    with small.client() as alpha, small.admin() as admin:
         filler = alpha.post("/api/v1/sandboxes", json={})
         assert filler.status_code == 201, filler.text
         with (
@@ -128,7 +137,7 @@ def test_a_keyed_create_outlives_its_client_leaving_the_queue(small: Deployment)
         ):
             impatient.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "stay"})
         time.sleep(1.0)  # the server saw the client go: a create without a key would leave
-        assert alpha.get("/api/v1/admission").json()["queue"]["length"] == 1
+        assert admin.get("/api/v1/admission").json()["queue"]["length"] == 1
         assert alpha.delete(f"/api/v1/sandboxes/{filler.json()['name']}").status_code == 204
 
         def placed() -> bool:

@@ -182,7 +182,10 @@ def test_a_frozen_worker_is_tunnel_loss_and_its_keyed_create_lands_once_it_thaws
                 dep.worker.send_signal(signal.SIGCONT)
             assert first.status_code == 503, first.text
             assert first.json()["error"]["code"] == "tunnel_unavailable"
-            assert alpha.get("/api/v1/admission").json()["recent_timeouts"] == []
+            with dep.admin() as admin:  # not counted for anyone: the fleet-wide view
+                fleet = admin.get("/api/v1/admission").json()
+            assert fleet["recent_timeouts"] == [], fleet
+            assert fleet["breaker"]["counted_timeouts"] == 0, fleet
             dep.wait_worker("w1", connected=True)
             replay = alpha.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "k1"})
             assert replay.status_code == 200, replay.text

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select, true
 
+from sandgate.core.breaker import BreakerPolicy
 from sandgate.errors import IdempotencyConflictError, StoreError
 from sandgate.store.base import (
     ORPHANED_EXEC_JOB,
@@ -26,6 +27,7 @@ from sandgate.store.base import (
     SandboxFilter,
     SandboxName,
     SandboxState,
+    SchedulingTimeout,
     Store,
     TenantId,
     Worker,
@@ -390,6 +392,49 @@ async def test_list_worker_sandboxes_and_count_live(store: SqlStore) -> None:
     assert await store.count_live_sandboxes(w1) == 2
     assert await store.count_live_sandboxes(w2) == 1
     assert await store.count_live_sandboxes(WorkerName("w3")) == 0
+
+
+async def test_tenant_scoped_counts_leave_other_tenants_out(store: SqlStore) -> None:
+    """What GET /api/v1/workers and /api/v1/admission show a tenant: its own only."""
+    for name, tenant, state, worker in (
+        ("a-run", "ta", "running", "w1"),
+        ("b-run", "tb", "running", "w1"),
+        ("b-pend", "tb", "pending", "w2"),
+        ("b-stop", "tb", "stopped", "w1"),
+        ("b-none", "tb", "pending", None),
+    ):
+        await create(store, sandbox(name, tenant, state=state, worker=worker))
+    w1, w2 = WorkerName("w1"), WorkerName("w2")
+    assert await store.live_sandboxes_per_worker() == {w1: 2, w2: 1}
+    assert await store.live_sandboxes_per_worker(TenantId("ta")) == {w1: 1}
+    assert await store.live_sandboxes_per_worker(TenantId("tb")) == {w1: 1, w2: 1}
+    assert await store.live_sandboxes_per_worker(TenantId("tc")) == {}
+
+    later, gone = T0 + timedelta(seconds=30), T0 - timedelta(seconds=1)
+    for tenant, expires in (("tb", later), ("tb", later), ("tb", gone), ("ta", later)):
+        assert await store.enqueue_create(TenantId(tenant), "http://x", gone, expires, 10)
+    assert await store.count_tenant_queued(TenantId("tb"), T0) == 2  # the lapsed one is out
+    assert await store.count_tenant_queued(TenantId("ta"), T0) == 1
+    assert await store.count_tenant_queued(TenantId("tc"), T0) == 0
+
+    policy = BreakerPolicy(threshold=99, window=600.0, open_for=60.0, trial_lease=40.0)
+    for i, tenant in enumerate(("tb", "ta", "tb")):
+        event = SchedulingTimeout(
+            at=T0 + timedelta(seconds=i),
+            sandbox_name=SandboxName(f"{tenant}-{i}"),
+            tenant_id=TenantId(tenant),
+            node_url="http://x",
+            reason="slow",
+        )
+        await store.record_scheduling_timeout(event, policy)
+    since = T0 - timedelta(seconds=60)
+    own = await store.list_tenant_scheduling_timeouts(TenantId("tb"), since, 10)
+    assert [t.sandbox_name for t in own] == ["tb-2", "tb-0"]  # newest first
+    assert [
+        t.sandbox_name
+        for t in await store.list_tenant_scheduling_timeouts(TenantId("tb"), since, 1)
+    ] == ["tb-2"]
+    assert await store.list_tenant_scheduling_timeouts(TenantId("tc"), since, 10) == []
 
 
 async def test_list_expired(store: SqlStore) -> None:

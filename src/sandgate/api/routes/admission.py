@@ -6,18 +6,18 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
 
-from sandgate.api.deps import Services, services, tenant
+from sandgate.api.deps import Services, Viewer, services, viewer
 from sandgate.api.routes.sandboxes import error_docs
-from sandgate.store.base import TenantId
 
 router = APIRouter(prefix="/api/v1", tags=["admission"])
 
-Tenant = Annotated[TenantId, Depends(tenant)]
+Who = Annotated[Viewer, Depends(viewer)]
 Svc = Annotated[Services, Depends(services)]
 
 
 @router.get("/admission", responses=error_docs())
-async def admission_status(who: Tenant, svc: Svc) -> dict[str, Any]:
-    """Deployment-wide: queue length, breaker state and recent scheduling timeouts (another
-    tenant's sandbox names are left out); and the limits configured for the caller."""
-    return await svc.admission.status(who)
+async def admission_status(who: Who, svc: Svc) -> dict[str, Any]:
+    """A tenant key: its own queued creates, its own recent scheduling timeouts and its limits,
+    with the deployment's breaker (it answers every tenant's creates). An admin key: the
+    fleet-wide view, the whole queue and every recent timeout."""
+    return await svc.admission.status(who.tenant)

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, WebSocket
 from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect
 
-from sandgate.api.deps import Services, presented_key, resolve_key, services, tenant
+from sandgate.api.deps import Services, presented_key, resolve_key, services, tenant, tenant_of
 from sandgate.api.errors import status_of
 from sandgate.api.routes.sandboxes import error_docs
 from sandgate.api.schemas import PtyToken, PtyTokenOut
@@ -56,10 +56,7 @@ async def _tenant_for(ws: WebSocket, svc: Services, name: str) -> TenantId:
         if claims.get("sandbox") != name:
             raise AuthError("this token is for another sandbox")
         return TenantId(str(claims["tenant"]))
-    record = await resolve_key(svc, presented_key(ws.headers))
-    if record.kind != "tenant" or record.tenant_id is None:
-        raise AuthError("this is a worker token; the API takes tenant API keys")
-    return record.tenant_id
+    return tenant_of(await resolve_key(svc, presented_key(ws.headers)))
 
 
 def _size(ws: WebSocket, key: str, default: int) -> int:

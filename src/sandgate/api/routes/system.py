@@ -8,36 +8,40 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from sandgate.api.deps import Services, presented_key, resolve_key, services, tenant
+from sandgate.api.deps import Services, Viewer, presented_key, resolve_key, services, viewer
 from sandgate.control.workers import utcnow
 from sandgate.errors import AuthError, StoreError
-from sandgate.store.base import TenantId
 from sandgate.tunnel.hub import serve_tunnel
 
 router = APIRouter()
 
-Tenant = Annotated[TenantId, Depends(tenant)]
+Who = Annotated[Viewer, Depends(viewer)]
 Svc = Annotated[Services, Depends(services)]
 
 STORE_PROBE_INTERVAL = 1.0  # seconds this instance reuses its last /readyz write probe
 
 
 @router.get("/api/v1/workers", tags=["workers"])
-async def list_workers(who: Tenant, svc: Svc) -> dict[str, Any]:
-    """Connected and known workers, with the protections their runtime enforces."""
+async def list_workers(who: Who, svc: Svc) -> dict[str, Any]:
+    """Connected and known workers, with the protections their runtime enforces. A tenant key
+    sees only its own live sandboxes on each (`your_live_sandboxes`); an admin key sees every
+    tenant's (`live_sandboxes`)."""
     workers = await svc.store.list_workers()
+    live = await svc.store.live_sandboxes_per_worker(who.tenant)
+    count = "live_sandboxes" if who.admin else "your_live_sandboxes"
     return {
+        "view": "fleet" if who.admin else "tenant",
         "workers": [
             {
                 "name": w.name,
                 "connected": await svc.workers.is_connected(w.name),
                 "capacity": w.capacity,
-                "live_sandboxes": await svc.store.count_live_sandboxes(w.name),
+                count: live.get(w.name, 0),
                 "features": w.features,
                 "last_seen_at": w.last_seen_at.isoformat(),
             }
             for w in workers
-        ]
+        ],
     }
 
 
