@@ -56,6 +56,9 @@ class ServerSettings(_Frozen):
     breaker_threshold: int = Field(default=3, ge=1)  # scheduling timeouts within the window...
     breaker_window: float = 600.0
     breaker_open: float = 60.0  # ...open the breaker this long, then one trial create
+    # while others wait, a tenant holding at least this fraction of the connected workers'
+    # capacity waits behind them (sandgate.core.fair_queue); None: no share, tenants in turn
+    tenant_share: float | None = Field(default=None, gt=0.0, le=1.0)
     # auth cache: a revoked key stops working on every instance within this
     auth_cache_ttl: float = 5.0
 

@@ -7,6 +7,8 @@ never once per instance.
   creates on both at once, and closes after the open period through one half-open trial;
 - with a queue limit of 10 and no capacity, exactly 10 creates wait across both instances
   and the 11th gets 429; the queue is FIFO and a client that leaves gives its place back;
+- tenants take turns in the queue: a tenant flooding it does not hold back another's create,
+  and with `--tenant-share` a tenant at its share waits while one below it waits;
 - a tenant limited to 5 requests/s gets 5/s (plus the burst) through both together, and its
   quotas of live sandboxes and running exec jobs are exact.
 """
@@ -377,3 +379,138 @@ def test_quotas_are_exact_across_both_instances(cluster: Cluster) -> None:
         for r in made:
             if r.status_code == 201:
                 assert c.delete(f"/api/v1/sandboxes/{r.json()['name']}").status_code == 204
+
+
+# ------------------------------------------------------------------ fairness across tenants
+
+
+def queued(cl: Cluster) -> int:
+    rows = cl.sql("select count(*) as n from admission_tickets where expires_at >= now()")
+    return int(rows[0]["n"])
+
+
+async def _wait_queued(cl: Cluster, n: int) -> None:
+    for _ in range(100):
+        if queued(cl) == n:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{queued(cl)} creates queued, not {n}")
+
+
+class Tenants:
+    """A client per (tenant, instance), each with its own key."""
+
+    def __init__(self, cl: Cluster, *tenants: str) -> None:
+        self.cl = cl
+        self.keys = {
+            t: sandgate("keys", "create", "--db", cl.db_url, "--tenant", t) for t in tenants
+        }
+
+    def client(self, tenant: str, inst: str) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.cl.instances[inst].url,
+            headers={"Authorization": f"Bearer {self.keys[tenant]}"},
+            timeout=120,
+        )
+
+    async def create(self, tenant: str, inst: str = "A") -> httpx.Response:
+        async with self.client(tenant, inst) as c:
+            return await c.post("/api/v1/sandboxes", json={})
+
+    async def delete(self, tenant: str, name: str) -> None:
+        async with self.client(tenant, "B") as c:
+            assert (await c.delete(f"/api/v1/sandboxes/{name}")).status_code == 204
+
+    async def fill(self, tenant: str) -> str:
+        made = await self.create(tenant)
+        assert made.status_code == 201, made.text
+        name: str = made.json()["name"]
+        return name
+
+
+async def _next_placed(tasks: dict[str, asyncio.Task[httpx.Response]]) -> str:
+    """The label of the next queued create to be placed (and it alone)."""
+    pending = [t for t in tasks.values() if not t.done()]
+    done, _ = await asyncio.wait(pending, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    assert len(done) == 1, f"{len(done)} creates finished at once"
+    (task,) = done
+    response = task.result()
+    assert response.status_code == 201, response.text
+    finished = {label for label, t in tasks.items() if t.done()}
+    await asyncio.sleep(1.0)  # nothing else is placed: the freed slot was taken
+    assert {label for label, t in tasks.items() if t.done()} == finished
+    return next(label for label, t in tasks.items() if t is task)
+
+
+async def _give_up(tasks: dict[str, asyncio.Task[httpx.Response]]) -> None:
+    for task in tasks.values():
+        task.cancel()
+    await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+
+@pytest.fixture
+def two_slots(pg_dsn: str, tmp_path: Path) -> Iterator[Cluster]:
+    """A and B with a queue of 10; worker w1 of capacity 2."""
+    with running_cluster(pg_dsn, tmp_path, extra=QUEUE_ARGS, capacity=2) as cl:
+        yield cl
+
+
+async def _flood_scenario(cl: Cluster) -> None:
+    ts = Tenants(cl, "flooder", "other")
+    held = [await ts.fill("flooder") for _ in range(2)]  # the flooder holds both slots
+    tasks: dict[str, asyncio.Task[httpx.Response]] = {}
+    for i in range(6):  # one after another, alternating instances: a known order
+        tasks[f"B{i + 1}"] = asyncio.create_task(ts.create("flooder", ("A", "B")[i % 2]))
+        await _wait_queued(cl, i + 1)
+    tasks["A1"] = asyncio.create_task(ts.create("other", "B"))
+    await _wait_queued(cl, 7)
+    try:
+        order = []
+        for name in held:  # free the slots one at a time: who gets each?
+            await ts.delete("flooder", name)
+            order.append(await _next_placed(tasks))
+        # B1 was at the head before A came; then A's create, not B's next 5
+        assert order == ["B1", "A1"], order
+        assert not any(tasks[f"B{i}"].done() for i in range(2, 7))
+    finally:
+        await _give_up(tasks)
+
+
+def test_a_tenant_flooding_the_queue_does_not_hold_back_another(two_slots: Cluster) -> None:
+    asyncio.run(_flood_scenario(two_slots))
+
+
+@pytest.fixture
+def shared(pg_dsn: str, tmp_path: Path) -> Iterator[Cluster]:
+    """A and B with `--tenant-share 0.5`; worker w1 of capacity 4."""
+    extra = (*QUEUE_ARGS, "--tenant-share", "0.5")
+    with running_cluster(pg_dsn, tmp_path, extra=extra, capacity=4) as cl:
+        yield cl
+
+
+async def _share_scenario(cl: Cluster) -> None:
+    ts = Tenants(cl, "big", "small", "third")
+    big = [await ts.fill("big") for _ in range(2)]  # 2 of 4: at its share of 0.5
+    await ts.fill("small")
+    third = await ts.fill("third")
+    tasks = {"big1": asyncio.create_task(ts.create("big", "A"))}
+    await _wait_queued(cl, 1)
+    for i in range(2):
+        tasks[f"small{i + 1}"] = asyncio.create_task(ts.create("small", ("B", "A")[i]))
+        await _wait_queued(cl, i + 2)
+    try:
+        # big's create is older and, by turns alone, next; but big is at its share while
+        # small (1 of 4) waits: small's goes first
+        await ts.delete("third", third)
+        assert await _next_placed(tasks) == "small1"
+        # small now holds 2 (its share too), big drops to 1: big's create is not refused,
+        # it places next
+        await ts.delete("big", big[0])
+        assert await _next_placed(tasks) == "big1"
+        assert not tasks["small2"].done()
+    finally:
+        await _give_up(tasks)
+
+
+def test_a_tenant_at_its_share_waits_while_others_wait(shared: Cluster) -> None:
+    asyncio.run(_share_scenario(shared))

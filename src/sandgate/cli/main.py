@@ -211,6 +211,12 @@ def _read_secret(secret_file: Path | None) -> str:
     return secret_file.read_text().strip()
 
 
+def _check_tenant_share(share: float | None) -> float | None:
+    if share is not None and not 0.0 < share <= 1.0:
+        raise typer.BadParameter(f"a fraction 0 < F <= 1 of the capacity, not {share:g}")
+    return share
+
+
 @app.command()
 def server(
     db: DbOpt,
@@ -264,6 +270,16 @@ def server(
             envvar="SANDGATE_QUEUE_TIMEOUT", min=0.1, help="seconds a queued create waits"
         ),
     ] = 120.0,
+    tenant_share: Annotated[
+        float | None,
+        typer.Option(
+            envvar="SANDGATE_TENANT_SHARE",
+            callback=_check_tenant_share,
+            help="fraction 0 < F <= 1 of the connected workers' capacity: while other "
+            "tenants wait in the create queue, a tenant holding at least this many live "
+            "sandboxes waits behind them (default: no share, tenants simply take turns)",
+        ),
+    ] = None,
     breaker_threshold: Annotated[
         int,
         typer.Option(
@@ -411,6 +427,7 @@ def server(
 
 @app.command()
 def worker(
+        tenant_share=tenant_share,
     server: Annotated[str, typer.Option(envvar="SANDGATE_SERVER", help="control plane URL")],
     token: Annotated[str, typer.Option(envvar="SANDGATE_TOKEN", help="worker token")],
     name: Annotated[str, typer.Option(envvar="SANDGATE_NAME")] = socket.gethostname(),

@@ -3,8 +3,10 @@
 - Per-tenant rate limit: a token bucket per tenant in the store (`take_rate_token`).
 - Per-tenant quotas: live sandboxes and active exec jobs, counted under the tenant's limits
   row lock inside the very transaction that inserts the new one.
-- The create queue: a create that finds every worker full takes a ticket (FIFO, at most
-  `queue_limit` across all instances) and waits; only the head of the queue places.
+- The create queue: a create that finds every worker full takes a ticket (at most
+  `queue_limit` across all instances) and waits; only the head of the queue places. Tenants
+  take turns at the head, and with `tenant_share` a tenant at its share waits behind the
+  others (`sandgate.core.fair_queue`).
 - The scheduling breaker: sandboxes not ready within the start timeout open it
   (`sandgate.core.breaker` has the rules); while open creates get 503 at once; after the open
   period exactly one trial create is let through and its outcome closes or re-opens it.
@@ -35,7 +37,14 @@ from sandgate.errors import (
     UnavailableError,
 )
 from sandgate.local_state import ServerLocalState
-from sandgate.store.base import Sandbox, SchedulingTimeout, Store, TenantId, TenantLimits
+from sandgate.store.base import (
+    Sandbox,
+    SchedulingTimeout,
+    Store,
+    TenantId,
+    TenantLimits,
+    TenantShare,
+)
 
 log = logging.getLogger(__name__)
 
@@ -195,11 +204,12 @@ class Admission:
         try:
             while True:
                 now = utcnow()
-                ahead = await self.store.queue_position(ticket, now)
+                ahead = await self.store.queue_position(ticket, now, self._share(now))
                 if ahead is None:  # our lease ran out (this process stalled): queue again
                     log.warning("admission.ticket_lost", extra={"ticket": ticket})
                     ticket = await self._enqueue(tenant, limit)
-                    ahead = await self.store.queue_position(ticket, utcnow())
+                    now = utcnow()
+                    ahead = await self.store.queue_position(ticket, now, self._share(now))
                 if ahead == 0:
                     if trial is None:  # the breaker may have opened while we waited
                         record = (await self.store.admission_snapshot(now)).breaker
@@ -223,6 +233,14 @@ class Admission:
                 await asyncio.sleep(HEAD_POLL if ahead == 0 else TAIL_POLL)
         finally:  # placed (its sandbox row now holds the capacity), or given up
             await asyncio.shield(self._leave(ticket))
+
+    def _share(self, now: datetime) -> TenantShare | None:
+        """The deployment's share, against the workers connected as `pick` counts them (a
+        tunnel owner row fresher than owner_ttl)."""
+        if self.settings.tenant_share is None:
+            return None
+        since = now - timedelta(seconds=self.settings.owner_ttl)
+        return TenantShare(self.settings.tenant_share, since)
 
     def _refuse_if_open(self, record: BreakerRecord, now: datetime) -> None:
         verdict = breaker.verdict(record, now, self.policy)

@@ -302,7 +302,7 @@ class Store(Protocol):
         self, tenant_id: TenantId, rps: float, burst: int, now: float
     ) -> float: ...
 
-    # admission: one read for the create path, the FIFO create queue (tickets are leases),
+    # admission: one read for the create path, the fair create queue (tickets are leases),
     # and the scheduling breaker (transitions computed by sandgate.core.breaker)
     async def admission_snapshot(self, now: datetime) -> AdmissionSnapshot: ...
     # a ticket id, or None when `limit` live tickets are already queued (checked and taken
@@ -310,8 +310,12 @@ class Store(Protocol):
     async def enqueue_create(
         self, tenant_id: TenantId, node_url: str, now: datetime, expires_at: datetime, limit: int
     ) -> int | None: ...
-    # live tickets ahead of this one, or None when this ticket is gone (its lease ran out)
-    async def queue_position(self, ticket: int, now: datetime) -> int | None: ...
+    # live tickets served before this one (tenants in turn, then by age; with a share,
+    # tenants at it after the others: sandgate.core.fair_queue), or None when this ticket
+    # is gone (its lease ran out); 0: this ticket may place
+    async def queue_position(
+        self, ticket: int, now: datetime, share: TenantShare | None = None
+    ) -> int | None: ...
     async def renew_ticket(self, ticket: int, expires_at: datetime) -> bool: ...
     async def leave_queue(self, ticket: int) -> None: ...
     async def record_scheduling_timeout(
@@ -370,3 +374,14 @@ OVERDUE_EXEC_JOB = (
     "its result was never recorded (the store failed while it ran) and it is past its "
     "timeout; it was not re-run"
 )
+@dataclass(frozen=True)
+class TenantShare:
+    """The deployment's per-tenant share (`--tenant-share`): a tenant holding at least
+    `fraction` of the capacity of the connected workers (those whose tunnel owner row was
+    renewed since `connected_since`) waits while a tenant below it waits
+    (`sandgate.core.fair_queue`)."""
+
+    fraction: float
+    connected_since: datetime
+
+

@@ -27,8 +27,10 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    true,
     update,
 )
+from sqlalchemy import cast as sql_cast
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -42,6 +44,7 @@ from sandgate.store.base import (
     SchedulingTimeout,
     TenantId,
     TenantLimits,
+    TenantShare,
 )
 from sandgate.store.ops import store_op
 from sandgate.store.schema import (
@@ -53,6 +56,8 @@ from sandgate.store.schema import (
     sandboxes,
     scheduling_timeouts,
     tenant_limits,
+    tunnel_owners,
+    workers,
 )
 
 if TYPE_CHECKING:
@@ -127,25 +132,69 @@ _LIVE_TICKETS = (
     .where(admission_tickets.c.expires_at >= bindparam("b_now"))
 )
 _INSERT_TICKET = insert(admission_tickets).returning(admission_tickets.c.id)
-_TICKETS_AHEAD = (
-    select(func.count())
-    .select_from(admission_tickets)
-    .where(
-        admission_tickets.c.id < bindparam("b_id", type_=Integer),
-        admission_tickets.c.expires_at >= bindparam("b_now"),
+
+
+def _position_statement(*, share: bool) -> Any:
+    """The live tickets served before `b_id`, in one statement (`sandgate.core.fair_queue`):
+    a ticket's turn is its rank among its tenant's live tickets plus the tenant's live
+    sandboxes created since its oldest live ticket (placed during its streak); served by
+    turn, then by id. With a share, a tenant whose live sandboxes are at least `b_share` of
+    the connected workers' capacity is held behind the others. No row: the ticket is not
+    live."""
+    live = (
+        select(
+            admission_tickets.c.id, admission_tickets.c.tenant_id, admission_tickets.c.created_at
+        )
+        .where(admission_tickets.c.expires_at >= bindparam("b_now"))
+        .cte("live_tickets")
     )
-    .scalar_subquery()
-)
-_TICKET_ALIVE = (
-    select(func.count())
-    .select_from(admission_tickets)
-    .where(
-        admission_tickets.c.id == bindparam("b_id", type_=Integer),
-        admission_tickets.c.expires_at >= bindparam("b_now"),
+    streaks = (
+        select(live.c.tenant_id, func.min(live.c.created_at).label("since"))
+        .group_by(live.c.tenant_id)
+        .cte("tenant_streaks")
     )
-    .scalar_subquery()
-)
-_POSITION = select(_TICKETS_AHEAD.label("ahead"), _TICKET_ALIVE.label("alive"))
+    # the waiting tenants' live sandboxes: at most the fleet's capacity, by the state index
+    holding = (
+        select(
+            streaks.c.tenant_id,
+            func.count().label("live"),
+            func.sum(case((sandboxes.c.created_at >= streaks.c.since, 1), else_=0)).label("served"),
+        )
+        .select_from(streaks.join(sandboxes, sandboxes.c.tenant_id == streaks.c.tenant_id))
+        .where(sandboxes.c.state.in_(("pending", "running")))
+        .group_by(streaks.c.tenant_id)
+        .cte("tenant_holding")
+    )
+    rank = func.row_number().over(partition_by=live.c.tenant_id, order_by=live.c.id)
+    turn = rank + func.coalesce(holding.c.served, 0)
+    columns: list[Any] = [live.c.id, turn.label("turn")]
+    source: Any = live.outerjoin(holding, holding.c.tenant_id == live.c.tenant_id)
+    if share:
+        connected = (
+            select(func.coalesce(func.sum(workers.c.capacity), 0).label("capacity"))
+            .select_from(workers.join(tunnel_owners, tunnel_owners.c.tunnel_key == workers.c.name))
+            .where(tunnel_owners.c.updated_at >= bindparam("b_connected_since"))
+            .cte("connected_capacity")
+        )
+        source = source.join(connected, true())
+        # core.fair_queue.at_share: live / capacity >= share, each rounded once
+        at_share = and_(
+            connected.c.capacity > 0,
+            sql_cast(func.coalesce(holding.c.live, 0), Float)
+            / sql_cast(connected.c.capacity, Float)
+            >= bindparam("b_share", type_=Float),
+        )
+        columns.append(case((at_share, 1), else_=0).label("held"))
+    ranked = select(*columns).select_from(source).cte("ranked_tickets")
+    key = (ranked.c.held, ranked.c.turn, ranked.c.id) if share else (ranked.c.turn, ranked.c.id)
+    ordered = select(
+        ranked.c.id, (func.row_number().over(order_by=key) - 1).label("ahead")
+    ).subquery("ordered_tickets")
+    return select(ordered.c.ahead).where(ordered.c.id == bindparam("b_id", type_=Integer))
+
+
+_POSITION = _position_statement(share=False)
+_POSITION_WITH_SHARE = _position_statement(share=True)
 _RENEW_TICKET = (
     update(admission_tickets)
     .where(admission_tickets.c.id == bindparam("b_id", type_=Integer))
@@ -435,11 +484,16 @@ class AdmissionQueries:
             return int(result.scalar_one())
 
     @store_op
-    async def queue_position(self, ticket: int, now: datetime) -> int | None:
-        row = await self._fetch_one(_POSITION, {"b_id": ticket, "b_now": now})
-        if row is None or not row.alive:
-            return None
-        return int(row.ahead)
+    async def queue_position(
+        self, ticket: int, now: datetime, share: TenantShare | None = None
+    ) -> int | None:
+        params: dict[str, Any] = {"b_id": ticket, "b_now": now}
+        stmt = _POSITION
+        if share is not None:
+            stmt = _POSITION_WITH_SHARE
+            params |= {"b_share": share.fraction, "b_connected_since": share.connected_since}
+        row = await self._fetch_one(stmt, params)
+        return None if row is None else int(row.ahead)
 
     @store_op
     async def renew_ticket(self, ticket: int, expires_at: datetime) -> bool:

@@ -6,12 +6,15 @@ Two store handles (two engines, as two instances have) race on the same database
 from __future__ import annotations
 
 import asyncio
+import random
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from sqlalchemy import select
 
 from sandgate.core.breaker import BreakerPolicy
+from sandgate.core.fair_queue import Waiting, order
 from sandgate.errors import CapacityConflictError, IdempotencyConflictError, QuotaConflictError
 from sandgate.store.base import (
     ExecJob,
@@ -20,9 +23,11 @@ from sandgate.store.base import (
     SchedulingTimeout,
     TenantId,
     TenantLimits,
+    TenantShare,
     Worker,
     WorkerName,
 )
+from sandgate.store.schema import admission_tickets
 from sandgate.store.sql import SqlStore, open_store
 
 from .test_store_contract import idem, job, sandbox
@@ -195,6 +200,113 @@ async def test_expired_tickets_stop_counting(store: SqlStore) -> None:
     assert (await store.admission_snapshot(after)).queued == 1
     assert await store.renew_ticket(live, NOW + timedelta(seconds=90))
     assert await store.enqueue_create(T1, "http://x", after, after + timedelta(seconds=5), 2)
+
+
+async def enqueue(store: SqlStore, tenant: str, n: int = 1, lease: float = 60.0) -> list[int]:
+    got = []
+    for _ in range(n):
+        expires = NOW + timedelta(seconds=lease)
+        ticket = await store.enqueue_create(TenantId(tenant), "http://x", NOW, expires, 100)
+        assert ticket is not None
+        got.append(ticket)
+    return got
+
+
+async def served(
+    store: SqlStore, share: TenantShare | None = None, at: datetime = NOW
+) -> list[int]:
+    """The live tickets in the order the store serves them (by their positions)."""
+    rows = await store._fetch_all(select(admission_tickets.c.id), {})
+    positions = {r.id: await store.queue_position(r.id, at, share) for r in rows}
+    live = {t: p for t, p in positions.items() if p is not None}
+    assert sorted(live.values()) == list(range(len(live)))  # 0..n-1, each once
+    return sorted(live, key=live.__getitem__)
+
+
+async def place(store: SqlStore, name: str, tenant: str, *, before: bool = False) -> None:
+    """A sandbox of `tenant` on worker w: placed from the queue (created after the tickets,
+    at NOW) or already there before (`before`)."""
+    at = NOW - timedelta(minutes=1) if before else NOW + timedelta(seconds=1)
+    sb = replace(sandbox(name, tenant, at=at), worker=WorkerName("w"))
+    await store.insert_sandbox(sb, job(sb.name), None)
+
+
+async def test_a_tenant_flooding_the_queue_does_not_push_another_back(store_url: str) -> None:
+    a, b = await two_handles(store_url)
+    try:
+        await place(a, "b-old", "B", before=True)  # B holds one already
+        flood = await enqueue(b, "B", 10)
+        (late,) = await enqueue(a, "A")
+        assert await a.queue_position(late, NOW) == 1  # right behind B's oldest, not 10th
+        assert await b.queue_position(flood[0], NOW) == 0  # B's head keeps its place
+        assert await a.queue_position(flood[1], NOW) == 2
+        # turns: B1 A1 B2 A2 B3 A3 B4 ...; both handles (instances) see the same order
+        more = await enqueue(b, "A", 2)
+        expected = [flood[0], late, flood[1], more[0], flood[2], more[1], *flood[3:]]
+        assert await served(a) == expected
+        assert await served(b) == expected
+        # B's head places (its sandbox, then it leaves): A's ticket is next, not B's 2nd
+        await place(b, "b-1", "B")
+        await b.leave_queue(flood[0])
+        assert await a.queue_position(late, NOW) == 0
+        assert await served(b) == expected[1:]
+        await place(a, "a-1", "A")
+        await a.leave_queue(late)
+        assert await served(b) == expected[2:]
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_queue_positions_match_the_pure_order(store: SqlStore) -> None:
+    """Tenants of random sizes, some tickets expired, some placed: the SQL statement and
+    core.fair_queue.order agree."""
+    rng = random.Random(10)
+    waiting: list[Waiting] = []
+    for _ in range(40):
+        tenant = rng.choice("ABCDE")
+        lease = rng.choice((5.0, 60.0, 60.0, 60.0))  # a quarter are expired at NOW + 10 s
+        (ticket,) = await enqueue(store, tenant, lease=lease)
+        if lease > 10:
+            waiting.append(Waiting(ticket, tenant))
+    placed = {"A": 2, "C": 1}
+    for tenant, n in placed.items():
+        for i in range(n):
+            await place(store, f"{tenant}-{i}", tenant)
+        await place(store, f"{tenant}-old", tenant, before=True)  # before: not this streak
+    later = NOW + timedelta(seconds=10)
+    assert await served(store, at=later) == order(waiting, placed)
+    assert await served(store, at=later) != order(waiting)
+
+
+async def test_a_tenant_at_its_share_waits_behind_the_others(store: SqlStore) -> None:
+    await store.upsert_worker(Worker(WorkerName("w"), 4, {}, connected=True, last_seen_at=NOW))
+    await store.claim_tunnel("w", "http://a", NOW)
+    for i in range(2):  # B holds 2 of 4, A 1
+        await place(store, f"b-{i}", "B", before=True)
+    await place(store, "a-0", "A", before=True)
+    (b1,) = await enqueue(store, "B")
+    a1, a2 = await enqueue(store, "A", 2)
+    half = TenantShare(0.5, connected_since=NOW - timedelta(seconds=90))
+    assert await served(store) == [b1, a1, a2]  # no share: turns only
+    assert await served(store, half) == [a1, a2, b1]  # B is at 2/4 >= 0.5: it waits
+    assert await served(store, TenantShare(0.75, half.connected_since)) == [b1, a1, a2]
+    # a worker whose tunnel is no longer owned does not count: no capacity, nobody held
+    stale = TenantShare(0.5, connected_since=NOW + timedelta(seconds=1))
+    assert await served(store, stale) == [b1, a1, a2]
+    # A1 places: A is at its share too; both at it, they take turns again (capacity is
+    # never left idle because of the share)
+    await place(store, "a-1", "A")
+    await store.leave_queue(a1)
+    assert await served(store, half) == [b1, a2]
+    # one of B's ends: B is below its share again
+    assert await store.set_sandbox_state(
+        SandboxName("b-0"), "deleted", from_states=("pending",), now=NOW
+    )
+    assert await served(store, half) == [b1, a2]
+    # B's ticket leaves; a tenant alone in the queue places even at its share
+    await store.leave_queue(b1)
+    assert await served(store, half) == [a2]
 
 
 # ------------------------------------------------------------------ the breaker
