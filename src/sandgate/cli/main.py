@@ -417,6 +417,7 @@ def server(
         admission=admission,
         queue_limit=queue_limit,
         queue_timeout=queue_timeout,
+        tenant_share=tenant_share,
         breaker_threshold=breaker_threshold,
         breaker_window=breaker_window,
         breaker_open=breaker_open,
@@ -427,7 +428,6 @@ def server(
 
 @app.command()
 def worker(
-        tenant_share=tenant_share,
     server: Annotated[str, typer.Option(envvar="SANDGATE_SERVER", help="control plane URL")],
     token: Annotated[str, typer.Option(envvar="SANDGATE_TOKEN", help="worker token")],
     name: Annotated[str, typer.Option(envvar="SANDGATE_NAME")] = socket.gethostname(),

@@ -369,11 +369,6 @@ class AdmissionSnapshot:
     queued: int  # live tickets in the create queue
 
 
-ORPHANED_EXEC_JOB = "the instance running it stopped; it was not re-run"
-OVERDUE_EXEC_JOB = (
-    "its result was never recorded (the store failed while it ran) and it is past its "
-    "timeout; it was not re-run"
-)
 @dataclass(frozen=True)
 class TenantShare:
     """The deployment's per-tenant share (`--tenant-share`): a tenant holding at least
@@ -385,3 +380,8 @@ class TenantShare:
     connected_since: datetime
 
 
+ORPHANED_EXEC_JOB = "the instance running it stopped; it was not re-run"
+OVERDUE_EXEC_JOB = (
+    "its result was never recorded (the store failed while it ran) and it is past its "
+    "timeout; it was not re-run"
+)
