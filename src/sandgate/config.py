@@ -71,9 +71,13 @@ class WorkerSettings(_Frozen):
     runtime: str = "bwrap"  # "bwrap" | "process"
     state_dir: Path = Path("/var/lib/sandgate")
     allow_network: bool = False  # gives network=true sandboxes the HOST network namespace
+    # the share of the host's fs.file-max one sandbox at its limits may hold (worker.fds)
+    fd_share: float = Field(default=0.1, gt=0, le=1)
+    # the sandboxes' memory limits (disk quotas) together may be this many times what the
+    # host has (worker.budget)
+    memory_overcommit: float = Field(default=1.0, gt=0, le=100)
+    disk_overcommit: float = Field(default=1.0, gt=0, le=100)
     heartbeat_interval: float = 10.0
     reconnect_min: float = 0.2
     reconnect_max: float = 5.0
-    # the share of the host's fs.file-max one sandbox at its limits may hold (worker.fds)
-    fd_share: float = Field(default=0.1, gt=0, le=1)
     faults: frozenset[str] = frozenset()  # test fault points (sandgate.faults)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from sandgate.store.base import ApiKey, Sandbox, TenantLimits
     from sandgate.tunnel.hub import TunnelSession
     from sandgate.tunnel.rpc import RpcChannel
-    from sandgate.worker.service import LiveSandbox
+    from sandgate.worker.service import LiveSandbox, Starting
 
 
 K = TypeVar("K")
@@ -137,8 +137,9 @@ class WorkerLocalState:
     # sandbox name -> the running sandbox and its agent link. Per-process by nature: the
     # sandboxes are children of this worker process and die with it (bwrap --die-with-parent).
     sandboxes: dict[str, LiveSandbox] = field(default_factory=dict)
-    # sandbox name -> the provision in progress, so a redelivered create waits for the first.
-    provisioning: dict[str, asyncio.Future[LiveSandbox]] = field(default_factory=dict)
+    # sandbox name -> the provision in progress (its spec and start), so a redelivered create
+    # waits for the first and the budget counts what is starting.
+    provisioning: dict[str, Starting] = field(default_factory=dict)
     # sandbox name -> a sandbox being destroyed: recorded before it leaves `sandboxes`, kept
     # until its processes, cgroups, uid lease and directories are gone. Per-process by nature;
     # a worker that dies with entries here removes the leftovers at its next start.

@@ -455,6 +455,26 @@ def worker(
             help="share of the host's fs.file-max one sandbox may hold (sets RLIMIT_NOFILE)",
         ),
     ] = 0.1,
+    memory_overcommit: Annotated[
+        float,
+        typer.Option(
+            envvar="SANDGATE_MEMORY_OVERCOMMIT",
+            min=0.01,
+            max=100.0,
+            help="the sandboxes' memory limits together may be this many times the host's "
+            "memory (less a 10% reserve)",
+        ),
+    ] = 1.0,
+    disk_overcommit: Annotated[
+        float,
+        typer.Option(
+            envvar="SANDGATE_DISK_OVERCOMMIT",
+            min=0.01,
+            max=100.0,
+            help="the sandboxes' disk quotas together may be this many times the space free "
+            "for the state dir (less 5%)",
+        ),
+    ] = 1.0,
     log_level: LogOpt = "INFO",
 ) -> None:
     """Run a worker: dial the control plane and host sandboxes."""
@@ -478,6 +498,8 @@ def worker(
         state_dir=state_dir,
         allow_network=allow_network,
         fd_share=fd_share,
+        memory_overcommit=memory_overcommit,
+        disk_overcommit=disk_overcommit,
         faults=active_faults,
     )
     with _runner() as runner:

@@ -197,7 +197,7 @@ class SandboxService:
         # that is not used at once is dropped; the worker's row lock in the insert makes any
         # pick safe anyway.
         early: asyncio.Future[Placement] | None = asyncio.ensure_future(
-            self.workers.pick(network=request.network)
+            self.workers.pick(network=request.network, need=request.resources)
         )
         picked_at = asyncio.get_running_loop().time()
 
@@ -210,7 +210,7 @@ class SandboxService:
                 if ahead is not None:  # picked too long ago (this create queued): pick again
                     ahead.cancel()
                     await asyncio.gather(ahead, return_exceptions=True)
-                placement = await self.workers.pick(network=request.network)
+                placement = await self.workers.pick(network=request.network, need=request.resources)
             return await self._accept(tenant, request, claim, name, placement)
 
         # A keyed create goes on when its client leaves the queue: the client's retry (same
@@ -289,7 +289,12 @@ class SandboxService:
 
         async def insert(max_live: int | None) -> None:
             await self.store.insert_sandbox(
-                sandbox, job, record, max_live=max_live, worker_capacity=placement.capacity
+                sandbox,
+                job,
+                record,
+                max_live=max_live,
+                worker_capacity=placement.capacity,
+                worker_budget=placement.budget,
             )
 
         try:

@@ -6,18 +6,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sandgate.agent.frames import Header
 from sandgate.control.peers import PeerClient
+from sandgate.core import placement
 from sandgate.errors import (
     AtCapacityError,
     AuthError,
     NetworkUnavailableError,
     NoCapacityError,
+    ResourceCapError,
     SandgateError,
     TunnelUnavailableError,
     UnavailableError,
@@ -44,6 +46,7 @@ class Placement:
     worker: WorkerName
     features: dict[str, Any]
     capacity: int
+    budget: dict[str, int] | None = None  # its host's memory/disk for all its sandboxes
 
 
 class WorkerRegistry:
@@ -308,21 +311,44 @@ class WorkerRegistry:
     async def is_connected(self, worker: str) -> bool:
         return self.local(worker) is not None or await self.owner(worker) is not None
 
-    async def pick(self, *, network: bool = False) -> Placement:
-        """The connected worker (through any instance) with the most free capacity."""
-        best: tuple[int, Placement] | None = None
+    async def pick(
+        self, *, network: bool = False, need: Mapping[str, Any] | None = None
+    ) -> Placement:
+        """The connected worker (through any instance) with the most free slots (then the
+        most room left in its budget) that can hold a sandbox granted `need`."""
+        need = need or {}
+        best: tuple[tuple[int, float], Placement] | None = None
         offered = False
         connected = 0
+        smaller: list[tuple[str, float]] = []  # workers that can never hold one this large
         for worker in await self.store.list_workers():
             if not await self.is_connected(worker.name):
                 continue
             connected += 1
             if network and worker.features.get("network") not in ("host-optional", "host"):
                 continue
+            most = placement.sandbox_max_of(worker.features)
+            if (name := placement.too_large(need, most)) is not None:
+                smaller.append((name, most[name]))
+                continue
             offered = True
-            free = worker.capacity - await self.store.count_live_sandboxes(worker.name)
-            if free > 0 and (best is None or free > best[0]):
-                best = (free, Placement(worker.name, worker.features, worker.capacity))
+            usage = await self.store.worker_usage(worker.name)
+            free = worker.capacity - usage.sandboxes
+            budget = placement.budget_of(worker.features)
+            if free <= 0 or (budget and placement.short_of(need, usage.granted, budget)):
+                continue
+            score = (free, placement.room(need, usage.granted, budget or {}))
+            if best is None or score > best[0]:
+                chosen = Placement(worker.name, worker.features, worker.capacity, budget)
+                best = (score, chosen)
+        if best is None and smaller and not offered:
+            name, largest = max(smaller, key=lambda s: s[1])
+            raise ResourceCapError(
+                f"{name} {need[name]:g} is more than any connected worker can give one sandbox "
+                f"(the largest takes {largest:g}); ask for at most {largest:g}",
+                cap=f"worker_max_{name}",
+                value=largest,
+            )
         if best is None:
             if network and connected and not offered:
                 raise NetworkUnavailableError(

@@ -6,6 +6,7 @@ Times are aware UTC datetimes. Methods raise `sandgate.errors.StoreError` subcla
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, NewType, Protocol
@@ -118,6 +119,12 @@ class IdempotencyRecord:
 
 
 @dataclass(frozen=True)
+class WorkerUsage:
+    sandboxes: int
+    granted: dict[str, int]  # core.placement.BUDGETED -> the sum over its live sandboxes
+
+
+@dataclass(frozen=True)
 class Worker:
     name: WorkerName
     capacity: int
@@ -154,7 +161,8 @@ class Store(Protocol):
     # Raises IdempotencyConflictError if (tenant, digest) already exists (nothing is written).
     # With `max_live`, the tenant's live sandboxes are counted under its limits row's lock
     # and QuotaConflictError is raised (nothing written) past it. With `worker_capacity`,
-    # the sandbox's worker row is locked and CapacityConflictError raised when it is full.
+    # the sandbox's worker row is locked and CapacityConflictError raised when it is full:
+    # its slots, or (with `worker_budget`) the memory_mb/disk_mb its sandboxes were granted.
     async def insert_sandbox(
         self,
         sandbox: Sandbox,
@@ -163,6 +171,7 @@ class Store(Protocol):
         *,
         max_live: int | None = None,
         worker_capacity: int | None = None,
+        worker_budget: Mapping[str, int] | None = None,
     ) -> None: ...
     async def find_idempotency(
         self, tenant_id: TenantId, digest: str
@@ -179,6 +188,8 @@ class Store(Protocol):
         self, worker: WorkerName, states: tuple[SandboxState, ...]
     ) -> list[Sandbox]: ...
     async def count_live_sandboxes(self, worker: WorkerName) -> int: ...  # pending + running
+    # what a worker's live sandboxes hold: how many, and the budgeted resources granted
+    async def worker_usage(self, worker: WorkerName) -> WorkerUsage: ...
     async def count_tenant_live_sandboxes(self, tenant_id: TenantId) -> int: ...
     # tenant-scoped views (GET /api/v1/workers, /api/v1/admission; None: the whole fleet):
     # live (pending + running) sandboxes per worker, workers without any left out

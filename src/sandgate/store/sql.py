@@ -49,6 +49,7 @@ from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from sandgate.core import placement
 from sandgate.errors import CapacityConflictError, IdempotencyConflictError, StoreError
 from sandgate.store.base import (
     ORPHANED_EXEC_JOB,
@@ -72,6 +73,7 @@ from sandgate.store.base import (
     TenantId,
     Worker,
     WorkerName,
+    WorkerUsage,
 )
 from sandgate.store.migrate import async_url
 from sandgate.store.ops import store_op as _store_op
@@ -136,6 +138,10 @@ _SELECT_WORKER_SANDBOXES = (
         sandboxes.c.state.in_(bindparam("b_states", expanding=True)),
     )
     .order_by(sandboxes.c.name)
+)
+_WORKER_GRANTS = select(sandboxes.c.resources).where(
+    sandboxes.c.worker == bindparam("b_worker"),
+    sandboxes.c.state.in_(bindparam("b_states", expanding=True)),
 )
 _COUNT_WORKER_SANDBOXES = (
     select(func.count())
@@ -733,6 +739,7 @@ class SqlStore(AdmissionQueries):
         *,
         max_live: int | None = None,
         worker_capacity: int | None = None,
+        worker_budget: Mapping[str, int] | None = None,
     ) -> None:
         if job.sandbox_name != sandbox.name or (
             idempotency is not None
@@ -762,7 +769,7 @@ class SqlStore(AdmissionQueries):
                 if result.rowcount != 1:
                     raise IdempotencyConflictError("idempotency key already recorded")
             if worker_capacity is not None and sandbox.worker is not None:
-                await self._hold_worker_slot(conn, sandbox.worker, worker_capacity)
+                await self._hold_worker_slot(conn, sandbox, worker_capacity, worker_budget or {})
             await conn.execute(
                 _INSERT_SANDBOX,
                 {
@@ -802,15 +809,26 @@ class SqlStore(AdmissionQueries):
                 assert max_live is not None
                 await check_quota(conn, sandbox.tenant_id, max_live, exec_jobs_quota=False)
 
-    async def _hold_worker_slot(self, conn: AsyncConnection, worker: str, capacity: int) -> None:
-        """Lock the worker's row and count what it already hosts: placement is exact even
-        when two instances pick the same worker's last free slot."""
+    async def _hold_worker_slot(
+        self, conn: AsyncConnection, sandbox: Sandbox, capacity: int, budget: Mapping[str, int]
+    ) -> None:
+        """Lock the worker's row and count what it already hosts, slots and (with a budget)
+        the memory and disk granted: placement is exact even when two instances pick the
+        same worker's last free slot or its last free GiB."""
+        worker = sandbox.worker
         if (await conn.execute(_GUARD_WORKER, {"b_name": worker})).rowcount != 1:
             return  # an unknown worker: delivery will fail it
         params = {"b_worker": worker, "b_states": list(_LIVE_STATES)}
-        live = int((await conn.execute(_COUNT_WORKER_SANDBOXES, params)).scalar_one())
-        if live >= capacity:
-            raise CapacityConflictError(f"worker {worker} hosts {live} of {capacity} already")
+        grants = [(r[0] or {}) for r in await conn.execute(_WORKER_GRANTS, params)]
+        if len(grants) >= capacity:
+            raise CapacityConflictError(
+                f"worker {worker} hosts {len(grants)} of {capacity} already"
+            )
+        used = placement.usage(grants)
+        if (short := placement.short_of(sandbox.resources, used, budget)) is not None:
+            raise CapacityConflictError(
+                f"worker {worker} has {budget[short] - used[short]} {short} left"
+            )
 
     @_store_op
     async def find_idempotency(self, tenant_id: TenantId, digest: str) -> IdempotencyRecord | None:
@@ -887,6 +905,14 @@ class SqlStore(AdmissionQueries):
         )
         out = [_sandbox(r) for r in rows]
         return [sb for sb in out if sb.worker == worker and _state_ok(sb.state, states)]
+
+    @_store_op
+    async def worker_usage(self, worker: WorkerName) -> WorkerUsage:
+        rows = await self._fetch_all(
+            _WORKER_GRANTS, {"b_worker": worker, "b_states": list(_LIVE_STATES)}
+        )
+        grants = [(r[0] or {}) for r in rows]
+        return WorkerUsage(len(grants), placement.usage(grants))
 
     @_store_op
     async def count_live_sandboxes(self, worker: WorkerName) -> int:

@@ -23,6 +23,7 @@ from sandgate.faults import FAULTS
 from sandgate.local_state import WorkerLocalState
 from sandgate.tunnel.client import TunnelClient
 from sandgate.tunnel.rpc import RpcChannel
+from sandgate.worker import budget
 from sandgate.worker.runtime.base import Runtime
 from sandgate.worker.service import WorkerService
 
@@ -181,10 +182,20 @@ async def run_worker(settings: WorkerSettings) -> None:
     runtime = make_runtime(settings, state_dir, agent_dir)
     await runtime.prepare()
     features = runtime.features()
+    features["enforces"] = budget.measure(
+        state_dir,
+        memory_overcommit=settings.memory_overcommit,
+        disk_overcommit=settings.disk_overcommit,
+        disk_quota=bool(features.get("disk_quota")),
+    )
     log.info("worker.ready", extra={"worker": settings.name, "features": features})
 
     service = WorkerService(
-        runtime, capacity=settings.capacity, state=WorkerLocalState(), faults=settings.faults
+        runtime,
+        capacity=settings.capacity,
+        state=WorkerLocalState(),
+        enforces=features["enforces"],
+        faults=settings.faults,
     )
     for fault in sorted(settings.faults):
         log.critical("fault.active", extra={"fault": fault, "does": FAULTS[fault]})

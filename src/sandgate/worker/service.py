@@ -23,12 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sandgate.agent.frames import Header
+from sandgate.core import placement
 from sandgate.errors import (
     ConflictError,
     DiskQuotaExceededError,
     InvalidRequestError,
     NoCapacityError,
     NotFoundError,
+    ResourceCapError,
     SandboxTimeoutError,
     StorageFullError,
     WorkerError,
@@ -66,6 +68,12 @@ class LiveSandbox:
         return {"name": self.name, "pid": self.link.ready_info.get("pid")}
 
 
+@dataclass(frozen=True)
+class Starting:
+    spec: SandboxSpec
+    start: asyncio.Future[LiveSandbox]
+
+
 class WorkerService:
     def __init__(
         self,
@@ -73,10 +81,13 @@ class WorkerService:
         *,
         capacity: int,
         state: WorkerLocalState,
+        enforces: dict[str, Any] | None = None,
         faults: frozenset[str] = frozenset(),
     ) -> None:
         self.runtime = runtime
         self.capacity = capacity
+        # the host's budget and per-sandbox maximum (worker.budget, core.placement)
+        self.enforces = enforces or {}
         self.state = state
         self.faults = faults
         self.notify: Notify | None = None  # set while a tunnel is up
@@ -129,23 +140,52 @@ class WorkerService:
             pending = self.state.provisioning.get(spec.name)
             if pending is not None:
                 log.info("sandbox.provision_repeat", extra={"sandbox": spec.name})
-                return await _outcome(spec.name, pending)
+                return await _outcome(spec.name, pending.start)
             if not await self._wait_for_teardowns(spec.name, deadline):
                 break  # nothing to wait for (any more): a free slot, or at capacity
         held = len(self.state.sandboxes) + len(self.state.provisioning)
         if held + len(self.state.tearing_down) >= self.capacity:
             raise NoCapacityError(f"worker is at its capacity of {self.capacity} sandboxes")
+        self._check_budget(spec)
         # the start runs as its own task, so a destroy can abandon it (see destroy)
         start = asyncio.get_running_loop().create_task(self._start_registered(spec))
-        self.state.provisioning[spec.name] = start
+        self.state.provisioning[spec.name] = Starting(spec, start)
         try:
             return await _outcome(spec.name, start)
         except asyncio.CancelledError:
             start.cancel()  # this request was cancelled: so is the start
             raise
         finally:
-            if self.state.provisioning.get(spec.name) is start:
+            starting = self.state.provisioning.get(spec.name)
+            if starting is not None and starting.start is start:
                 del self.state.provisioning[spec.name]
+
+    def _check_budget(self, spec: SandboxSpec) -> None:
+        """Refuse what this host cannot hold: one sandbox above its maximum (422), or one
+        more than what is left of its budget (503, the control plane places elsewhere)."""
+        need = spec.resources()
+        most = placement.sandbox_max_of({"enforces": self.enforces})
+        if (name := placement.too_large(need, most)) is not None:
+            raise ResourceCapError(
+                f"{name} {need[name]:g} is more than this worker's host can give one sandbox "
+                f"(at most {most[name]:g}); ask for less",
+                cap=f"worker_max_{name}",
+                value=most[name],
+            )
+        budget = placement.budget_of({"enforces": self.enforces})
+        if budget:
+            held = [
+                *(live.running.spec for live in self.state.sandboxes.values()),
+                *(starting.spec for starting in self.state.provisioning.values()),
+                *(live.running.spec for live in self.state.tearing_down.values()),
+            ]
+            used = placement.usage(s.resources() for s in held)
+            if (name := placement.short_of(need, used, budget)) is not None:
+                raise NoCapacityError(
+                    f"worker has {budget[name] - used[name]} of its {budget[name]} {name} left "
+                    f"for sandboxes; this one needs {need[name]:g}",
+                    retry_after=5.0,
+                )
 
     async def _wait_for_teardowns(self, name: str, deadline: float) -> bool:
         """Wait (until `deadline`) for a teardown of this very name (its directory and
@@ -177,7 +217,8 @@ class WorkerService:
         recorded (`tearing_down`) before the sandbox is forgotten and runs as its own task,
         so a request cancelled by a link drop never leaves processes, cgroups, the uid lease
         or the directories behind."""
-        pending = self.state.provisioning.get(name)
+        starting = self.state.provisioning.get(name)
+        pending = starting.start if starting is not None else None
         if pending is not None:
             pending.cancel()  # a start still in progress is abandoned (it cleans up after itself)
             await asyncio.wait([pending])  # and if it had just finished, it is registered

@@ -84,7 +84,12 @@ class Deployment:
         )
 
     def start_worker(
-        self, name: str = "w1", capacity: int = 32, faults: str = "", server_url: str = ""
+        self,
+        name: str = "w1",
+        capacity: int = 32,
+        faults: str = "",
+        server_url: str = "",
+        args: tuple[str, ...] = (),
     ) -> None:
         """`server_url`: where the worker dials (default the server; a fault proxy in tests)."""
         env = {k: v for k, v in os.environ.items() if k != "SANDGATE_FAULTS"}
@@ -108,6 +113,7 @@ class Deployment:
                     str(capacity),
                     "--state-dir",
                     str(self.state_dir),
+                    *args,
                 ],
                 env=env,
                 stdout=log,

@@ -427,6 +427,38 @@ async def test_a_workers_last_slot_goes_to_exactly_one_of_two_handles(store_url:
         await b.aclose()
 
 
+async def test_a_workers_last_memory_goes_to_exactly_one_of_two_handles(store_url: str) -> None:
+    """Slots are plenty; the worker's memory budget (1000 MiB) holds three 300 MiB sandboxes:
+    exactly three of eight concurrent inserts on two handles get it, and what is counted is
+    what the live sandboxes were granted."""
+    a, b = await two_handles(store_url)
+    try:
+        await a.upsert_worker(
+            Worker(WorkerName("m"), 64, {}, connected=True, last_seen_at=NOW, node_url="http://a")
+        )
+        budget = {"memory_mb": 1000, "disk_mb": 100_000}
+
+        async def one(s: SqlStore, i: int) -> bool:
+            granted = {"memory_mb": 300, "cpus": 1.0, "pids": 64, "disk_mb": 1024}
+            sb = replace(sandbox(f"m-{i}", "t1"), worker=WorkerName("m"), resources=granted)
+            try:
+                await s.insert_sandbox(
+                    sb, job(sb.name), None, worker_capacity=64, worker_budget=budget
+                )
+            except CapacityConflictError as exc:
+                assert "memory_mb" in exc.message
+                return False
+            return True
+
+        got = await asyncio.gather(*(one(s, i) for i, s in enumerate((a, b) * 4)))
+        assert sum(got) == 3
+        usage = await b.worker_usage(WorkerName("m"))
+        assert usage.sandboxes == 3 and usage.granted == {"memory_mb": 900, "disk_mb": 3072}
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
 async def test_a_keys_retry_at_the_quota_meets_its_key_not_the_quota(store: SqlStore) -> None:
     await store.set_tenant_limits(TenantLimits(T1, max_sandboxes=1), NOW)
     first = sandbox("k-1", "t1")

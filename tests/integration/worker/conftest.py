@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from sandgate.worker import cgroups
+from sandgate.worker.main import install_agent
 from sandgate.worker.runtime.bwrap import BwrapRuntime
 
 UID_BASE = 281000  # away from the default range of a real worker on this host
@@ -75,3 +76,32 @@ def other_runtime(env: Env, **kw: Any) -> BwrapRuntime:
     worker = f"t-{secrets.token_hex(3)}"
     env.workers.append(worker)
     return env.runtime(worker, **kw)
+
+
+SERVICE_UID_BASE = 283000  # away from the ranges of real workers and other tests on this host
+SERVICE_UID_COUNT = 100
+
+
+@pytest.fixture
+def runtime() -> Iterator[BwrapRuntime]:
+    """A bwrap runtime with the real agent installed, not yet prepared."""
+    root = Path(f"/var/lib/sandgate-test-{secrets.token_hex(4)}")
+    root.mkdir(mode=0o711)
+    os.chmod(root, 0o711)
+    install_agent(root / "agent")
+    worker = f"d-{secrets.token_hex(3)}"
+    rt = BwrapRuntime(
+        root / "state",
+        root / "agent",
+        worker_name=worker,
+        uid_base=SERVICE_UID_BASE,
+        uid_count=SERVICE_UID_COUNT,
+        uid_lock_dir=root / "uids",
+    )
+    try:
+        yield rt
+    finally:
+        host = cgroups.CgroupHost.detect()
+        asyncio.run(cgroups.cleanup_worker(host, worker))
+        cgroups.remove_worker_groups(host, worker)
+        shutil.rmtree(root, ignore_errors=True)

@@ -8,14 +8,11 @@ import os
 import random
 import secrets
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from sandgate.local_state import WorkerLocalState
-from sandgate.worker import cgroups
-from sandgate.worker.main import install_agent
 from sandgate.worker.runtime.base import SandboxSpec
 from sandgate.worker.runtime.bwrap import BwrapRuntime
 from sandgate.worker.service import WorkerService
@@ -25,33 +22,6 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
     pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap"),
 ]
-
-UID_BASE = 283000  # away from the ranges of real workers and other tests on this host
-UID_COUNT = 100
-
-
-@pytest.fixture
-def runtime() -> Iterator[BwrapRuntime]:
-    root = Path(f"/var/lib/sandgate-test-{secrets.token_hex(4)}")
-    root.mkdir(mode=0o711)
-    os.chmod(root, 0o711)
-    install_agent(root / "agent")
-    worker = f"d-{secrets.token_hex(3)}"
-    rt = BwrapRuntime(
-        root / "state",
-        root / "agent",
-        worker_name=worker,
-        uid_base=UID_BASE,
-        uid_count=UID_COUNT,
-        uid_lock_dir=root / "uids",
-    )
-    try:
-        yield rt
-    finally:
-        host = cgroups.CgroupHost.detect()
-        asyncio.run(cgroups.cleanup_worker(host, worker))
-        cgroups.remove_worker_groups(host, worker)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def leftovers(rt: BwrapRuntime, names: list[str]) -> dict[str, object]:

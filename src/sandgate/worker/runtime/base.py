@@ -23,6 +23,14 @@ class SandboxSpec:
     pids: int = 256
     disk_mb: int = 1024  # quota of /workspace and /tmp together
 
+    def resources(self) -> dict[str, int | float]:
+        return {
+            "memory_mb": self.memory_mb,
+            "cpus": self.cpus,
+            "pids": self.pids,
+            "disk_mb": self.disk_mb,
+        }
+
 
 @dataclass
 class RunningSandbox:

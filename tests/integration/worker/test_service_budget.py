@@ -1,0 +1,66 @@
+"""A worker never starts more than its host can hold (issue 10): one sandbox above the host's
+per-sandbox maximum is refused naming it, and one more than what is left of the memory or
+disk budget is refused while the ones it holds (running, starting or still being torn down)
+are counted. Real bwrap sandboxes, the real agent."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from sandgate.errors import NoCapacityError, ResourceCapError
+from sandgate.local_state import WorkerLocalState
+from sandgate.worker import budget
+from sandgate.worker.runtime.base import SandboxSpec
+from sandgate.worker.runtime.bwrap import BwrapRuntime
+from sandgate.worker.service import WorkerService
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
+
+ENFORCES = {
+    "budget": {"memory_mb": 600, "disk_mb": 10_000},
+    "sandbox_max": {"memory_mb": 600, "cpus": 2.0, "pids": 4096, "disk_mb": 10_000},
+}
+
+
+def test_the_budget_counts_what_runs_and_refuses_what_does_not_fit(runtime: BwrapRuntime) -> None:
+    service = WorkerService(runtime, capacity=16, state=WorkerLocalState(), enforces=ENFORCES)
+
+    async def body() -> None:
+        await service.provision(SandboxSpec(name="b-1", memory_mb=256, disk_mb=64))
+        await service.provision(SandboxSpec(name="b-2", memory_mb=256, disk_mb=64))
+        with pytest.raises(NoCapacityError, match="memory_mb") as full:
+            await service.provision(SandboxSpec(name="b-3", memory_mb=256, disk_mb=64))
+        assert "88 of its 600" in full.value.message
+        with pytest.raises(ResourceCapError) as large:
+            await service.provision(SandboxSpec(name="b-4", cpus=8.0, disk_mb=64))
+        assert large.value.cap == "worker_max_cpus" and large.value.value == 2.0
+        assert sorted(service.state.sandboxes) == ["b-1", "b-2"]  # nothing half-made
+        assert not (runtime.sandboxes_dir / "b-3").exists()
+        await service.destroy("b-2")
+        await service.provision(SandboxSpec(name="b-5", memory_mb=256, disk_mb=64))
+
+    async def main() -> None:
+        await runtime.prepare()
+        await service.run(body)
+
+    asyncio.run(main())
+
+
+def test_the_host_budget_is_measured_from_the_host(tmp_path: Path) -> None:
+    measured = budget.measure(tmp_path, memory_overcommit=1.5, disk_overcommit=2.0)
+    total = budget.mem_total_mb()
+    st = os.statvfs(tmp_path)
+    free_mb = (st.f_bavail * st.f_frsize) >> 20
+    reserve = max(budget.MEMORY_RESERVE_MIN_MB, int(total * budget.MEMORY_RESERVE_SHARE))
+    assert measured["budget"]["memory_mb"] == int((total - reserve) * 1.5)
+    assert 0 < measured["budget"]["disk_mb"] <= free_mb * 2
+    assert measured["sandbox_max"]["cpus"] == os.cpu_count()
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    assert measured["sandbox_max"]["pids"] == pid_max // 4
+    assert measured["overcommit"] == {"memory": 1.5, "disk": 2.0}
+    without = budget.measure(tmp_path, disk_quota=False)
+    assert "disk_mb" not in without["budget"] and "disk_mb" not in without["sandbox_max"]
