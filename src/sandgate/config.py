@@ -32,6 +32,9 @@ class ServerSettings(_Frozen):
     # finished exec jobs (with their output) are deleted this long after they end, and at
     # once (the next recovery tick) when their sandbox is gone
     exec_job_retention: float = 24 * 3600.0
+    # ended sandboxes (stopped, error, deleted) are listed until this long after they ended;
+    # then their rows, create jobs and idempotency records are deleted (sandgate.control.recovery)
+    sandbox_retention: float = 24 * 3600.0
     max_exec_timeout: float = 3600.0
     # bodies
     max_json_bytes: int = 2 << 20  # JSON request bodies (code included)

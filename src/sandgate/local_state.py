@@ -315,6 +315,80 @@ has a row: what it holds, its bound, and what it becomes with N API instances.
 """
 
 
+# What grows inside one process and is not a field above: the in-sandbox agent's collections
+# (standard library only, it cannot import this module; sandgate/agent/main.py and procs.py).
+# Everything the agent holds is also inside the sandbox's memory cgroup: only its own sandbox
+# pays for it.
+AGENT_GROWTH: tuple[tuple[str, str, str], ...] = (
+    (
+        "agent `_handles`",
+        "open file handles (uploads, downloads)",
+        "64 (`MAX_HANDLES`); closed by the worker's call or dropped at exit",
+    ),
+    (
+        "agent `Registry._entries`",
+        "background processes and terminals",
+        "256 (`MAX_PROCESSES`): the oldest exited one is forgotten to make room; a start with "
+        "256 still running is refused",
+    ),
+    (
+        "agent output ring (`_Output.chunks`)",
+        "the recent output of one process or terminal",
+        "1 MiB (`PROCESS_BUFFER_BYTES`) and 4,096 chunks (`MAX_CHUNKS`) per process: the "
+        "oldest output is dropped first",
+    ),
+    (
+        "agent exec output",
+        "stdout and stderr of one `execute`",
+        "1 MiB each (`EXEC_OUTPUT_CAP`), the rest dropped and reported truncated",
+    ),
+    (
+        "agent `_groups`, `Registry._orphans`",
+        "process groups that may still be alive, to kill at exit",
+        "pruned of dead groups at every start: the live groups, at most the sandbox's `pids`",
+    ),
+    (
+        "agent `_queues`",
+        "requests waiting for one handle or process, in arrival order",
+        "the worker's requests in flight to this agent",
+    ),
+    (
+        "agent `_which_cache`",
+        "executables found on PATH, by name",
+        "one per executable that exists in the sandbox (bounded by its disk quota)",
+    ),
+)
+
+
+GROWTH_DOC_HEADER = """
+## What grows and what bounds it
+
+Generated with the table above, from `src/sandgate/store/sql_retention.py` (`STORE_GROWTH`) and
+`src/sandgate/local_state.py` (`AGENT_GROWTH`); a test fails when a store table has no row.
+Every table of the store and every buffer that grows with use, and what stops it. The sweepers
+run in every instance's recovery tick (`sandgate.control.recovery`, every
+`--recovery-interval`, 5 s), each deleting at most 500 rows per tick. The in-process state
+above says its bound in its `bound` column.
+
+"""
+
+
+def growth_table_markdown() -> str:
+    from sandgate.store.sql_retention import STORE_GROWTH  # the store needs SQLAlchemy
+
+    lines = ["| what | grows by | bounded by |", "|---|---|---|"]
+    for name, grows, bound in STORE_GROWTH:
+        lines.append(f"| store `{name}` | {grows} | {bound} |")
+    for name, grows, bound in AGENT_GROWTH:
+        lines.append(f"| {name} | {grows} | {bound} |")
+    return "\n".join(lines) + "\n"
+
+
+def state_doc() -> str:
+    """docs/state.md, as `sandgate state-table` prints it."""
+    return STATE_DOC_HEADER + state_table_markdown() + GROWTH_DOC_HEADER + growth_table_markdown()
+
+
 def state_table_markdown() -> str:
     lines = ["| state | holds | bound | under N instances |", "|---|---|---|---|"]
     for name, row in STATE_TABLE.items():

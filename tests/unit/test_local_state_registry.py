@@ -11,11 +11,13 @@ import ast
 from pathlib import Path
 
 from sandgate.local_state import (
-    STATE_DOC_HEADER,
     STATE_TABLE,
     registered_fields,
+    state_doc,
     state_table_markdown,
 )
+from sandgate.store.schema import metadata
+from sandgate.store.sql_retention import STORE_GROWTH
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "sandgate"
 # The in-sandbox agent is its own process per sandbox (standard library only, it cannot import
@@ -138,8 +140,14 @@ def test_table_renders() -> None:
 
 def test_docs_carry_the_generated_table() -> None:
     doc = SRC.parents[1] / "docs" / "state.md"
-    assert doc.read_text() == STATE_DOC_HEADER + state_table_markdown(), (
-        "regenerate: sandgate state-table > docs/state.md"
+    assert doc.read_text() == state_doc(), "regenerate: sandgate state-table > docs/state.md"
+
+
+def test_every_store_table_says_what_bounds_it() -> None:
+    rows = [name for name, _, _ in STORE_GROWTH]
+    assert len(rows) == len(set(rows))
+    assert sorted(rows) == sorted(metadata.tables), (
+        "add a STORE_GROWTH row (grows by, bounded by) in sandgate/store/sql_retention.py"
     )
 
 

@@ -28,7 +28,7 @@ from sandgate.control.admission import Admission
 from sandgate.control.exec_jobs import ExecJobService
 from sandgate.control.peers import PeerClient
 from sandgate.control.reaper import Reaper
-from sandgate.control.recovery import Recovery
+from sandgate.control.recovery import TIMEOUTS_KEPT, Recovery
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.workers import WorkerRegistry
 from sandgate.errors import TunnelUnavailableError
@@ -86,6 +86,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
                     orphan_after=settings.orphan_intervals * settings.recovery_interval
                     + settings.orphan_grace,
                     exec_job_retention=settings.exec_job_retention,
+                    sandbox_retention=settings.sandbox_retention,
+                    timeouts_kept=max(TIMEOUTS_KEPT, settings.breaker_threshold),
                 ).run()
             ),
         ]

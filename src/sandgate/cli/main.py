@@ -316,6 +316,15 @@ def server(
             "its sandbox is gone",
         ),
     ] = 24 * 3600.0,
+    sandbox_retention: Annotated[
+        float,
+        typer.Option(
+            envvar="SANDGATE_SANDBOX_RETENTION",
+            min=1.0,
+            help="seconds an ended (stopped, error, deleted) sandbox is kept and listed; then "
+            "its record, create job and Idempotency-Key are deleted",
+        ),
+    ] = 24 * 3600.0,
     max_memory_mb: Annotated[
         int,
         typer.Option(envvar="SANDGATE_MAX_MEMORY_MB", min=16, help="cap per sandbox (MiB)"),
@@ -403,6 +412,7 @@ def server(
     settings = ServerSettings(
         caps=resource_caps,
         exec_job_retention=exec_job_retention,
+        sandbox_retention=sandbox_retention,
         body_idle_timeout=body_idle_timeout,
         db_url=db,
         host=host,
@@ -556,9 +566,9 @@ def up(
 @app.command("state-table")
 def state_table() -> None:
     """Print the table of every piece of in-process state (Markdown)."""
-    from sandgate.local_state import STATE_DOC_HEADER, state_table_markdown
+    from sandgate.local_state import state_doc
 
-    sys.stdout.write(STATE_DOC_HEADER + state_table_markdown())
+    sys.stdout.write(state_doc())
 
 
 def _add_client_commands() -> None:

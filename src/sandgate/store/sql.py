@@ -91,6 +91,7 @@ from sandgate.store.schema import (
     workers,
 )
 from sandgate.store.sql_admission import AdmissionQueries, check_quota, lock_tenant_limits
+from sandgate.store.sql_retention import RetentionQueries
 
 _LIVE_STATES: Final[tuple[SandboxState, ...]] = ("pending", "running")
 
@@ -615,7 +616,7 @@ def _sandbox_matches(sb: Sandbox, tenant_id: TenantId, where: SandboxFilter) -> 
 # ----------------------------------------------------------------------------- store
 
 
-class SqlStore(AdmissionQueries):
+class SqlStore(AdmissionQueries, RetentionQueries):
     """The Store Protocol on one SQLAlchemy async engine (SQLite or PostgreSQL)."""
 
     def __init__(self, engine: AsyncEngine, counters: AsyncEngine | None = None) -> None:
