@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from types import MappingProxyType
 from typing import Literal
 
 TENANT_PREFIX = "sg_"
 WORKER_PREFIX = "sgw_"
 ADMIN_PREFIX = "sga_"  # an operator's key: the fleet-wide read views, never a tenant's routes
 
-_PREFIXES = {"tenant": TENANT_PREFIX, "worker": WORKER_PREFIX, "admin": ADMIN_PREFIX}
+_PREFIXES = MappingProxyType(
+    {"tenant": TENANT_PREFIX, "worker": WORKER_PREFIX, "admin": ADMIN_PREFIX}
+)
 
 
 def new_key(kind: Literal["tenant", "worker", "admin"]) -> str:
