@@ -316,12 +316,13 @@ has a row: what it holds, its bound, and what it becomes with N API instances.
 
 
 # What grows inside one process and is not a field above: the in-sandbox agent's collections
-# (standard library only, it cannot import this module; sandgate/agent/main.py and procs.py).
+# (standard library only, it cannot import this module; all of it hangs off its one
+# AgentState, sandgate/agent/state.py; a test checks that every name below is in the agent).
 # Everything the agent holds is also inside the sandbox's memory cgroup: only its own sandbox
 # pays for it.
 AGENT_GROWTH: tuple[tuple[str, str, str], ...] = (
     (
-        "agent `_handles`",
+        "agent `AgentState.handles`",
         "open file handles (uploads, downloads)",
         "64 (`MAX_HANDLES`); closed by the worker's call or dropped at exit",
     ),
@@ -332,7 +333,7 @@ AGENT_GROWTH: tuple[tuple[str, str, str], ...] = (
         "256 still running is refused",
     ),
     (
-        "agent output ring (`_Output.chunks`)",
+        "agent output ring (`Output.chunks`)",
         "the recent output of one process or terminal",
         "1 MiB (`PROCESS_BUFFER_BYTES`) and 4,096 chunks (`MAX_CHUNKS`) per process: the "
         "oldest output is dropped first",
@@ -343,17 +344,17 @@ AGENT_GROWTH: tuple[tuple[str, str, str], ...] = (
         "1 MiB each (`EXEC_OUTPUT_CAP`), the rest dropped and reported truncated",
     ),
     (
-        "agent `_groups`, `Registry._orphans`",
+        "agent `AgentState.groups`, `Registry._orphans`",
         "process groups that may still be alive, to kill at exit",
         "pruned of dead groups at every start: the live groups, at most the sandbox's `pids`",
     ),
     (
-        "agent `_queues`",
+        "agent `AgentState.queues`",
         "requests waiting for one handle or process, in arrival order",
         "the worker's requests in flight to this agent",
     ),
     (
-        "agent `_which_cache`",
+        "agent `AgentState.which_cache`",
         "executables found on PATH, by name",
         "one per executable that exists in the sandbox (bounded by its disk quota)",
     ),

@@ -8,9 +8,11 @@ object keeps on `self` must be named in the table, with what happens under N ins
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from sandgate.local_state import (
+    AGENT_GROWTH,
     STATE_TABLE,
     registered_fields,
     state_doc,
@@ -21,12 +23,15 @@ from sandgate.store.sql_retention import STORE_GROWTH
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "sandgate"
 # The in-sandbox agent is its own process per sandbox (standard library only, it cannot import
-# local_state); its state is one row, "agent".
-AGENT_PROCESS = (SRC / "agent" / "main.py", SRC / "agent" / "procs.py")
+# local_state); its state is one row, "agent", and AGENT_GROWTH names its collections. It keeps
+# no module-level state either: all of it is one AgentState (agent/state.py).
+AGENT_DIR = SRC / "agent"
+AGENT_PROCESS = tuple(p for p in sorted(AGENT_DIR.glob("*.py")) if p.name != "frames.py")
 
 
-def sources() -> list[Path]:
-    return [p for p in SRC.rglob("*.py") if p not in AGENT_PROCESS]
+def sources(*, agent: bool = False) -> list[Path]:
+    """The package's modules; with ``agent``, the agent's own modules too."""
+    return [p for p in SRC.rglob("*.py") if agent or p not in AGENT_PROCESS]
 
 
 MUTABLE_CALLS = {
@@ -68,7 +73,7 @@ def is_mutable(node: ast.expr | None) -> bool:
 
 def module_and_class_state() -> list[str]:
     found = []
-    for path in sources():
+    for path in sources(agent=True):
         if path.name == "local_state.py":
             continue
         tree = ast.parse(path.read_text(), str(path))
@@ -155,3 +160,52 @@ def test_every_row_says_how_it_behaves_under_n_instances() -> None:
     kinds = ("exact via store", "exact", "per-process by nature")
     vague = [k for k, row in STATE_TABLE.items() if not row.under_n_instances.startswith(kinds)]
     assert vague == [], f"say exact, exact via store or per-process by nature (and why): {vague}"
+
+
+def test_the_agent_keeps_its_state_in_one_object() -> None:
+    """No ``global`` in the agent: with no module-level containers, its modules hold constants."""
+    assert AGENT_PROCESS, "the agent's modules moved"
+    rebinds = [
+        f"{path.relative_to(SRC)}:{node.lineno}"
+        for path in AGENT_PROCESS
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Global | ast.Nonlocal)
+    ]
+    assert rebinds == [], f"keep agent state in agent/state.py's AgentState: {rebinds}"
+
+
+def agent_names() -> tuple[set[str], set[str]]:
+    """(module-level names, ``Class.attribute`` names) defined in the agent's modules."""
+    module_names: set[str] = set()
+    attributes: set[str] = set()
+    for path in AGENT_PROCESS:
+        tree = ast.parse(path.read_text(), str(path))
+        for stmt in tree.body:
+            if isinstance(stmt, ast.Assign | ast.AnnAssign):
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                module_names |= {t.id for t in targets if isinstance(t, ast.Name)}
+            elif isinstance(stmt, ast.ClassDef | ast.FunctionDef):
+                module_names.add(stmt.name)
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "self"
+                    and isinstance(node.ctx, ast.Store)
+                ):
+                    attributes.add(f"{cls.name}.{node.attr}")
+    return module_names, attributes
+
+
+def test_agent_growth_names_what_the_agent_has() -> None:
+    module_names, attributes = agent_names()
+    missing = []
+    for what, _grows, bound in AGENT_GROWTH:
+        for name in re.findall(r"`([A-Za-z_][\w.]*)`", what):
+            if name not in (attributes if "." in name else module_names):
+                missing.append(name)
+        for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", bound):  # the agent's constants
+            if name not in module_names:
+                missing.append(name)
+    assert missing == [], f"AGENT_GROWTH (local_state.py) names what the agent lacks: {missing}"

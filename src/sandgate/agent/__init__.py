@@ -1,0 +1,29 @@
+"""The agent that runs inside every sandbox (docs/agent-protocol.md).
+
+Standard library only: the sandbox's system Python runs it. The worker deploys these modules
+flat into one directory (``sandgate.worker.main.install_agent``), bind-mounted read-only at
+/opt/sandgate, with main.py under the name sandgate_agent.py and a launcher agent.py beside it;
+so the modules import one another by these flat names (and, for type checking only, as
+``sandgate.agent.*``). This package file itself is not deployed.
+"""
+
+# Every module of the agent, in the order main.py needs them; a unit test checks that this
+# is every .py file here and that no name shadows a standard library module.
+MODULES = (
+    "main",  # the frame loop and dispatch
+    "frames",  # the wire format (shared with the control plane)
+    "request",  # Header, AgentError, request field readers
+    "state",  # AgentState: everything the agent keeps in memory; its log
+    "paths",  # sandbox paths onto the real filesystem, entries, OS errors
+    "files",  # file operations and open handles
+    "execute",  # exec
+    "pump",  # the one output pump of exec and background processes
+    "procs",  # background processes and terminals: the requests
+    "children",  # background processes and terminals: one child, forking a terminal
+    "output",  # background processes and terminals: the bounded output buffer
+)
+
+
+def deployed_name(module: str) -> str:
+    """The file name a module has in the deployed agent directory."""
+    return "sandgate_agent.py" if module == "main" else f"{module}.py"

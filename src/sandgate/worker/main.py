@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sandgate.agent import MODULES as AGENT_MODULES
+from sandgate.agent import deployed_name
 from sandgate.agent.frames import Header
 from sandgate.config import WorkerSettings
 from sandgate.faults import FAULTS
@@ -48,10 +50,10 @@ def install_agent(agent_dir: Path) -> None:
     """Copy the agent where every sandbox uid can read it (it is bind-mounted read-only)."""
     agent_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(agent_dir, 0o755)
-    files = (("main.py", "sandgate_agent.py"), ("frames.py", "frames.py"), ("procs.py", "procs.py"))
-    for source, target in files:
-        shutil.copyfile(AGENT_SOURCE / source, agent_dir / target)
-        os.chmod(agent_dir / target, 0o644)
+    for module in AGENT_MODULES:  # every module of the agent, flat (see sandgate/agent)
+        target = agent_dir / deployed_name(module)
+        shutil.copyfile(AGENT_SOURCE / f"{module}.py", target)
+        os.chmod(target, 0o644)
     (agent_dir / "agent.py").write_text(_LAUNCHER)
     os.chmod(agent_dir / "agent.py", 0o644)
     if SANDBOX_PYTHON.exists():

@@ -41,6 +41,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from sandgate.agent import MODULES as AGENT_MODULES
+from sandgate.agent import deployed_name
 from sandgate.errors import InvalidRequestError, NetworkUnavailableError, WorkerError
 from sandgate.worker import cgroups, disk, fds, seccomp
 from sandgate.worker.cgroups import CgroupHost, SandboxCgroups
@@ -458,7 +460,8 @@ class BwrapRuntime:
         blocked = untraversable(self.agent_dir)
         if blocked is not None:
             raise WorkerError(f"agent dir: {blocked} is missing or not traversable (o+x)")
-        for f in (agent, self.agent_dir / "frames.py"):
+        modules = [self.agent_dir / deployed_name(module) for module in AGENT_MODULES]
+        for f in (agent, *modules):
             try:
                 mode = os.stat(f).st_mode
             except OSError as exc:

@@ -1,0 +1,247 @@
+"""``exec``: run one program to its end and answer with its exit code and output.
+
+The program runs in a session of its own (its process group is remembered in
+``AgentState.groups``, so that the agent's exit kills it); its output is read by the one pump
+(pump.py), keeping the first ``EXEC_OUTPUT_CAP`` bytes of each stream. The environment, cwd
+and executable lookup here are also what background processes get (procs.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import threading
+import time
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import subprocess
+
+    from sandgate.agent import paths, pump
+    from sandgate.agent.request import AgentError, Header, str_field
+    from sandgate.agent.state import AgentState
+else:
+    import paths
+    import pump
+    from request import AgentError, str_field
+
+EXEC_OUTPUT_CAP = 1 << 20  # bytes kept of each of stdout and stderr
+EXEC_PATH = "/usr/local/bin:/usr/bin:/bin"
+EXEC_DEFAULT_TIMEOUT = 30.0
+EXEC_TIMEOUT_EXIT_CODE = 124
+INLINE_CODE_BYTES = 64 << 10  # larger programs are read from a pipe, not argv
+
+INTERPRETERS = MappingProxyType(
+    {"bash": ("bash", "-c"), "sh": ("sh", "-c"), "python": ("python3", "-c")}
+)
+
+
+class _Capture:
+    """One output stream: the first EXEC_OUTPUT_CAP bytes are kept, the rest dropped."""
+
+    __slots__ = ("data", "truncated")
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.truncated = False
+
+    def add(self, chunk: bytes) -> None:
+        room = EXEC_OUTPUT_CAP - len(self.data)
+        if len(chunk) > room:
+            self.truncated = True
+            chunk = chunk[:room]
+        self.data += chunk
+
+
+def which(st: AgentState, name: str) -> str:
+    found = st.which_cache.get(name)
+    if found is None:
+        for directory in EXEC_PATH.split(":"):
+            candidate = f"{directory}/{name}"
+            if os.access(candidate, os.X_OK) and not os.path.isdir(candidate):
+                found = st.which_cache[name] = candidate
+                break
+        else:
+            raise AgentError("not_found", f"{name} is not installed in this sandbox")
+    return found
+
+
+def exec_timeout(req: Header) -> float:
+    value = req.get("timeout")
+    if value is None:
+        return EXEC_DEFAULT_TIMEOUT
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not 0 < value < float("inf")
+    ):
+        raise AgentError("invalid_request", "'timeout' must be a positive number of seconds")
+    return float(value)
+
+
+def exec_env(st: AgentState, req: Header) -> dict[str, str]:
+    extra = req.get("env")
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise AgentError("invalid_request", "'env' must be an object of strings")
+    for key, value in extra.items():
+        if not isinstance(value, str) or not key or "=" in key or "\x00" in key or "\x00" in value:
+            raise AgentError("invalid_request", f"invalid environment variable {key!r}")
+    home = st.roots[0][1]
+    return {"PATH": EXEC_PATH, "HOME": home, "LANG": "C.UTF-8", **st.sandbox_env, **extra}
+
+
+def exec_cwd(st: AgentState, req: Header) -> str:
+    target = paths.resolve(st.roots, str_field(req, "cwd", "/workspace"), follow=True, name="cwd")
+    found = os.stat(target.real)
+    if not stat.S_ISDIR(found.st_mode):
+        raise AgentError("not_a_directory", f"cwd {target.spath} is not a directory")
+    return target.real
+
+
+def op_exec(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
+    language = str_field(req, "language")
+    interpreter = INTERPRETERS.get(language)
+    if interpreter is None:
+        raise AgentError("invalid_request", f"'language' must be one of {sorted(INTERPRETERS)}")
+    if "code" in req:
+        code = str_field(req, "code")
+    else:  # large programs travel as the payload, UTF-8
+        try:
+            code = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            raise AgentError("invalid_request", "the code payload is not UTF-8") from None
+        if not code:
+            raise AgentError("invalid_request", "'code' is empty")
+    if "\x00" in code:
+        raise AgentError("invalid_request", "'code' contains a NUL byte")
+    timeout = exec_timeout(req)
+    env = exec_env(st, req)
+    cwd = exec_cwd(st, req)
+    program = which(st, interpreter[0])
+    if len(code.encode()) <= INLINE_CODE_BYTES:
+        return _run(st, [program, interpreter[1], code], cwd, env, timeout)
+    # past the kernel's limit on one argument (128 KiB), the interpreter reads the program
+    # from a pipe that a thread fills
+    read_end, write_end = os.pipe()
+    feeder = threading.Thread(target=_feed, args=(write_end, code.encode()), daemon=True)
+    try:
+        feeder.start()
+        argv = [program, f"/dev/fd/{read_end}"]
+        return _run(st, argv, cwd, env, timeout, pass_fds=(read_end,))
+    finally:
+        os.close(read_end)
+
+
+def _feed(fd: int, data: bytes) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError:
+        pass  # the interpreter stopped reading (it exited or was killed)
+    finally:
+        os.close(fd)
+
+
+def _spawn(
+    st: AgentState,
+    argv: list[str],
+    cwd: str,
+    env: dict[str, str],
+    pass_fds: tuple[int, ...] = (),
+) -> subprocess.Popen[bytes]:
+    import subprocess
+
+    with st.groups_lock:  # so that shutdown never misses a group being started
+        if st.closing:
+            raise AgentError("io_error", "the agent is shutting down")
+        _prune_groups(st)
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+            pass_fds=pass_fds,
+        )
+        st.groups.add(proc.pid)
+    return proc
+
+
+def _prune_groups(st: AgentState) -> None:
+    """Forget groups with no process left, so that a recycled pid is never killed."""
+    for pgid in list(st.groups):
+        try:
+            os.killpg(pgid, 0)
+        except OSError:  # ESRCH: gone; EPERM: the id now belongs to someone else
+            st.groups.discard(pgid)
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def stop(st: AgentState) -> None:
+    """The agent is exiting: start nothing more, kill every group exec started."""
+    with st.groups_lock:
+        st.closing = True
+        for pgid in list(st.groups):
+            _killpg(pgid)
+
+
+def _run(
+    st: AgentState,
+    argv: list[str],
+    cwd: str,
+    env: dict[str, str],
+    timeout: float,
+    pass_fds: tuple[int, ...] = (),
+) -> tuple[Header, bytes]:
+    started = time.monotonic()
+    proc = _spawn(st, argv, cwd, env, pass_fds)
+    out, err = _Capture(), _Capture()
+    assert proc.stdout is not None and proc.stderr is not None
+    sinks = {proc.stdout.fileno(): out.add, proc.stderr.fileno(): err.add}
+    try:
+        timed_out = pump.pump(
+            proc.pid,
+            sinks,
+            exited=lambda: proc.poll() is not None,
+            deadline=started + timeout,
+            expire=lambda: _killpg(proc.pid),
+        )
+    except BaseException:
+        _killpg(proc.pid)
+        raise
+    finally:
+        returncode = proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    duration_ms = (time.monotonic() - started) * 1000.0
+    if timed_out:
+        exit_code = EXEC_TIMEOUT_EXIT_CODE
+    elif returncode < 0:  # killed by a signal: report it the way a shell does
+        exit_code = 128 - returncode
+    else:
+        exit_code = returncode
+    # the output travels as raw bytes in the payload (stdout then stderr): no JSON escaping,
+    # no header size limit; the receiver splits it at stdout_bytes
+    header = {
+        "exit_code": exit_code,
+        "duration_ms": round(duration_ms, 3),
+        "timed_out": timed_out,
+        "stdout_bytes": len(out.data),
+        "stdout_truncated": out.truncated,
+        "stderr_truncated": err.truncated,
+    }
+    return header, bytes(out.data) + bytes(err.data)

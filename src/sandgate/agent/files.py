@@ -1,0 +1,312 @@
+"""The file operations of the agent: stat, list, mkdir, move, remove, and open handles.
+
+Handles are per agent (``AgentState.handles``), bounded by ``MAX_HANDLES`` and closed after
+``HANDLE_IDLE_SECONDS`` without use; a write handle writes a temp file beside its target and
+renames it onto the target when committed. main.py runs the operations on one handle one after
+another, in arrival order.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import stat
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sandgate.agent import paths
+    from sandgate.agent.paths import Target
+    from sandgate.agent.request import AgentError, Header, bool_field, int_field
+    from sandgate.agent.state import AgentState
+else:
+    import paths
+    from request import AgentError, bool_field, int_field
+
+MAX_READ_LENGTH = 4 << 20
+MAX_HANDLES = 64
+HANDLE_IDLE_SECONDS = 300.0
+
+
+# --------------------------------------------------------------------------- file ops
+
+
+def op_stat(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
+    return {"entry": paths.lstat_entry(paths.resolve(st.roots, req.get("path")))}, b""
+
+
+def op_list(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
+    target = paths.resolve(st.roots, req.get("path"), follow=True)
+    prefix = target.spath.rstrip("/") + "/"
+    entries = []
+    with os.scandir(target.real) as it:
+        for item in it:
+            try:
+                item_st = item.stat(follow_symlinks=False)
+            except FileNotFoundError:  # removed meanwhile
+                continue
+            entries.append(paths.entry(prefix + item.name, item_st))
+    entries.sort(key=lambda entry: entry["name"])
+    return {"entries": entries}, b""
+
+
+def op_mkdir(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
+    target = paths.resolve(st.roots, req.get("path"))
+    parents = bool_field(req, "parents", True)
+    found = paths.lstat(target)
+    if found is not None:
+        if stat.S_ISDIR(found.st_mode) and parents:
+            return {"entry": paths.entry(target.spath, found)}, b""
+        raise AgentError("exists", f"{target.spath} already exists")
+    if parents:
+        try:
+            os.makedirs(target.real)
+        except FileExistsError:  # created meanwhile (a file in a parent gives ENOTDIR)
+            if not os.path.isdir(target.real):
+                raise AgentError("exists", f"{target.spath} already exists") from None
+    else:
+        os.mkdir(target.real)
+    return {"entry": paths.lstat_entry(target)}, b""
+
+
+def op_move(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
+    src = paths.resolve(st.roots, req.get("src"), name="src")
+    dst = paths.resolve(st.roots, req.get("dst"), name="dst")
+    overwrite = bool_field(req, "overwrite", False)
+    if src.is_root or dst.is_root:
+        raise AgentError("invalid_request", "a sandbox root cannot be moved or replaced")
+    if paths.lstat(src) is None:
+        raise AgentError("not_found", f"{src.spath} does not exist")
+    if not overwrite and paths.lstat(dst) is not None:
+        raise AgentError("exists", f"{dst.spath} already exists")
+    try:
+        os.rename(src.real, dst.real)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        _move_across_filesystems(src, dst)
+    return {"entry": paths.lstat_entry(dst)}, b""
+
+
+def _move_across_filesystems(src: Target, dst: Target) -> None:
+    """rename(2) cannot cross mounts (/tmp and /workspace may be two): copy, then remove."""
+    import shutil
+
+    src_st = os.lstat(src.real)
+    dst_st = paths.lstat(dst)
+    if stat.S_ISDIR(src_st.st_mode):
+        if dst_st is not None:
+            if not stat.S_ISDIR(dst_st.st_mode):
+                raise AgentError("not_a_directory", f"{dst.spath} is not a directory")
+            os.rmdir(dst.real)  # like rename(2): only an empty directory is replaced
+        shutil.copytree(src.real, dst.real, symlinks=True)
+        shutil.rmtree(src.real)
+        return
+    if dst_st is not None and stat.S_ISDIR(dst_st.st_mode):
+        raise AgentError("is_a_directory", f"{dst.spath} is a directory")
+    temp = _temp_name(dst.real)
+    try:
+        shutil.copy2(src.real, temp, follow_symlinks=False)
+        os.rename(temp, dst.real)
+    except BaseException:
+        _unlink_quietly(temp)
+        raise
+    os.unlink(src.real)
+
+
+def op_remove(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
+    target = paths.resolve(st.roots, req.get("path"))
+    recursive = bool_field(req, "recursive", False)
+    if target.is_root:
+        raise AgentError("invalid_request", f"{target.spath} is a sandbox root")
+    found = os.lstat(target.real)
+    if not stat.S_ISDIR(found.st_mode):
+        os.unlink(target.real)  # a symlink is unlinked, never its target
+    elif recursive:
+        import shutil
+
+        shutil.rmtree(target.real)  # does not follow symlinks
+    else:
+        os.rmdir(target.real)
+    return {}, b""
+
+
+# --------------------------------------------------------------------------- handles
+
+
+class Handle:
+    __slots__ = ("closed", "fd", "kind", "lock", "spath", "target", "temp", "used")
+
+    def __init__(self, kind: str, fd: int, spath: str, target: str = "", temp: str = "") -> None:
+        self.kind = kind  # "read" or "write"
+        self.fd = fd
+        self.spath = spath
+        self.target = target  # write: real path renamed onto at commit
+        self.temp = temp  # write: real path of the temp file
+        self.lock = threading.Lock()
+        self.used = time.monotonic()
+        self.closed = False
+
+    def close(self, *, discard: bool) -> None:
+        """Close the fd (once); with ``discard`` a write handle's temp file is removed."""
+        if not self.closed:
+            self.closed = True
+            try:
+                os.close(self.fd)
+            finally:
+                if discard and self.temp:
+                    _unlink_quietly(self.temp)
+
+
+def _register(st: AgentState, handle: Handle) -> int:
+    now = time.monotonic()
+    handles = st.handles
+    with st.handles_lock:
+        idle = [hid for hid, h in handles.items() if now - h.used > HANDLE_IDLE_SECONDS]
+        expired = [handles.pop(hid) for hid in idle]
+        full = len(handles) >= MAX_HANDLES
+        if not full:
+            st.next_handle += 1
+            hid = st.next_handle
+            handles[hid] = handle
+    for old in expired:
+        with old.lock:
+            old.close(discard=True)
+    if full:
+        handle.close(discard=True)
+        raise AgentError("io_error", f"too many open handles (at most {MAX_HANDLES})")
+    return hid
+
+
+def _lookup(st: AgentState, req: Header, kind: str, *, pop: bool = False) -> Handle:
+    hid = int_field(req, "handle")
+    with st.handles_lock:
+        handle = st.handles.pop(hid, None) if pop else st.handles.get(hid)
+    if handle is None:
+        raise AgentError("not_found", f"no open handle {hid}")
+    if handle.kind != kind:
+        if pop:
+            with st.handles_lock:
+                st.handles[hid] = handle
+        raise AgentError("invalid_request", f"handle {hid} is not a {kind} handle")
+    handle.used = time.monotonic()
+    return handle
+
+
+def drop_uploads(st: AgentState) -> None:
+    """The agent is exiting: remove the temp file of every write handle still open."""
+    with st.handles_lock:
+        for handle in st.handles.values():
+            if handle.temp:
+                _unlink_quietly(handle.temp)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _temp_name(target_real: str) -> str:
+    directory, name = posixpath.split(target_real)
+    return posixpath.join(directory, f".{name[:200]}.sandgate-{os.urandom(6).hex()}")
+
+
+def _open_nofollow(target: Target, flags: int, mode: int = 0o644) -> int:
+    try:
+        return os.open(target.real, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # the last component became a symlink after resolving
+            raise paths.outside(target.spath) from None
+        raise
+
+
+def op_open_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
+    target = paths.resolve(st.roots, req.get("path"), follow=True)
+    # O_NONBLOCK so that a FIFO cannot hang the request; only regular files are served.
+    fd = _open_nofollow(target, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        opened = os.fstat(fd)
+        if stat.S_ISDIR(opened.st_mode):
+            raise AgentError("is_a_directory", f"{target.spath} is a directory")
+        if not stat.S_ISREG(opened.st_mode):
+            raise AgentError("invalid_request", f"{target.spath} is not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    hid = _register(st, Handle("read", fd, target.spath))
+    return {"handle": hid, "size": opened.st_size}, b""
+
+
+def op_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
+    handle = _lookup(st, req, "read")
+    length = int_field(req, "length")
+    if not 0 < length <= MAX_READ_LENGTH:
+        raise AgentError("invalid_request", f"'length' must be between 1 and {MAX_READ_LENGTH}")
+    chunks: list[bytes] = []
+    remaining = length
+    with handle.lock:
+        if handle.closed:
+            raise AgentError("not_found", "the handle was closed")
+        while remaining:
+            chunk = os.read(handle.fd, remaining)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+    return {}, b"".join(chunks)
+
+
+def op_close_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
+    handle = _lookup(st, req, "read", pop=True)
+    with handle.lock:
+        handle.close(discard=False)
+    return {}, b""
+
+
+def op_open_write(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
+    target = paths.resolve(st.roots, req.get("path"), follow=True)
+    if target.is_root or os.path.isdir(target.real):
+        raise AgentError("is_a_directory", f"{target.spath} is a directory")
+    directory = posixpath.dirname(target.real)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except FileExistsError:
+        raise AgentError("not_a_directory", f"a parent of {target.spath} is a file") from None
+    if not paths.inside(os.path.realpath(directory), target.root):  # swapped meanwhile
+        raise paths.outside(target.spath)
+    temp = _temp_name(target.real)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    hid = _register(st, Handle("write", fd, target.spath, target.real, temp))
+    return {"handle": hid}, b""
+
+
+def op_write(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
+    handle = _lookup(st, req, "write")
+    view = memoryview(payload)
+    with handle.lock:
+        if handle.closed:
+            raise AgentError("not_found", "the handle was closed")
+        while view:
+            view = view[os.write(handle.fd, view) :]
+    return {"written": len(payload)}, b""
+
+
+def op_close_write(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
+    commit = bool_field(req, "commit")
+    handle = _lookup(st, req, "write", pop=True)
+    with handle.lock:
+        try:
+            handle.close(discard=False)
+            if not commit:
+                return {}, b""
+            if os.path.isdir(handle.target):
+                raise AgentError("is_a_directory", f"{handle.spath} is a directory")
+            os.rename(handle.temp, handle.target)
+        finally:
+            _unlink_quietly(handle.temp)  # nothing left once renamed
+        return {"entry": paths.entry(handle.spath, os.lstat(handle.target))}, b""

@@ -1,0 +1,71 @@
+"""Everything the agent keeps in memory, in one object, and its log.
+
+main() makes the one ``AgentState`` of the agent process and hands it to every operation; no
+module of the agent keeps state of its own (a unit test refuses module-level containers and
+``global``). All of it is per agent process, inside the sandbox's memory cgroup, and gone
+with the sandbox (docs/state.md, row "agent").
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sandgate.agent import procs
+    from sandgate.agent.files import Handle
+    from sandgate.agent.request import Header
+
+
+class AgentState:
+    """The agent's sandbox roots and environment, and what its requests leave behind."""
+
+    __slots__ = (
+        "closing",
+        "groups",
+        "groups_lock",
+        "handles",
+        "handles_lock",
+        "next_handle",
+        "queues",
+        "queues_lock",
+        "registry",
+        "registry_lock",
+        "roots",
+        "sandbox_env",
+        "which_cache",
+        "write_lock",
+    )
+
+    def __init__(self, roots: tuple[tuple[str, str], ...], sandbox_env: dict[str, str]) -> None:
+        self.roots = roots  # (sandbox root, real directory): /workspace first
+        self.sandbox_env = sandbox_env  # the agent's own environment at start
+        self.write_lock = threading.Lock()  # one response frame at a time on stdout
+        # exec (execute.py): process groups started, possibly still alive; closing is set
+        # under groups_lock by the shutdown, which re-enters it when a signal arrives then
+        self.groups_lock = threading.RLock()
+        self.groups: set[int] = set()
+        self.closing = False
+        self.which_cache: dict[str, str] = {}  # executables found on PATH, by name
+        # open file handles (files.py), at most MAX_HANDLES
+        self.handles_lock = threading.Lock()
+        self.handles: dict[int, Handle] = {}
+        self.next_handle = 0
+        # background processes and terminals (procs.py), made by the first proc_*/pty_*
+        # request; re-entered when a signal arrives during shutdown
+        self.registry_lock = threading.RLock()
+        self.registry: procs.Registry | None = None
+        # requests waiting for one handle or pid, in arrival order (main.py)
+        self.queues_lock = threading.Lock()
+        self.queues: dict[tuple[str, int], list[tuple[int, Header, bytes]]] = {}
+
+
+def log(message: str) -> None:
+    """One line on the agent's stderr (the worker keeps it as the sandbox's agent log)."""
+    try:
+        sys.stderr.write(f"sandgate-agent[{os.getpid()}]: {message}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
