@@ -364,7 +364,7 @@ AGENT_GROWTH: tuple[tuple[str, str, str], ...] = (
 GROWTH_DOC_HEADER = """
 ## What grows and what bounds it
 
-Generated with the table above, from `src/sandgate/store/sql_retention.py` (`STORE_GROWTH`) and
+Generated with the table above, from `src/sandgate/store/sql/retention.py` (`STORE_GROWTH`) and
 `src/sandgate/local_state.py` (`AGENT_GROWTH`); a test fails when a store table has no row.
 Every table of the store and every buffer that grows with use, and what stops it. The sweepers
 run in every instance's recovery tick (`sandgate.control.recovery`, every
@@ -375,7 +375,7 @@ above says its bound in its `bound` column.
 
 
 def growth_table_markdown() -> str:
-    from sandgate.store.sql_retention import STORE_GROWTH  # the store needs SQLAlchemy
+    from sandgate.store.sql.retention import STORE_GROWTH  # the store needs SQLAlchemy
 
     lines = ["| what | grows by | bounded by |", "|---|---|---|"]
     for name, grows, bound in STORE_GROWTH:

@@ -19,7 +19,7 @@ from sandgate.local_state import (
     state_table_markdown,
 )
 from sandgate.store.schema import metadata
-from sandgate.store.sql_retention import STORE_GROWTH
+from sandgate.store.sql.retention import STORE_GROWTH
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "sandgate"
 # The in-sandbox agent is its own process per sandbox (standard library only, it cannot import

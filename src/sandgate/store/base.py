@@ -145,7 +145,8 @@ class SandboxFilter:
 class Store(Protocol):
     """All durable state. Every tenant-facing read takes the tenant and filters by it."""
 
-    statements: int  # statements sent to the database by this process so far
+    @property
+    def statements(self) -> int: ...  # statements sent to the database by this process so far
 
     async def aclose(self) -> None: ...
 
@@ -277,7 +278,7 @@ class Store(Protocol):
     # finished jobs ended before `ended_before` or of a sandbox no longer pending/running,
     # deleted with their output, at most `limit`; returns how many
     async def sweep_exec_jobs(self, ended_before: datetime, limit: int) -> int: ...
-    # retention (sandgate.store.sql_retention): each deletes at most `limit` rows, returns
+    # retention (sandgate.store.sql.retention): each deletes at most `limit` rows, returns
     # how many. Sandboxes ended (stopped/error/deleted) before `ended_before`, with their
     # create jobs and idempotency records; tunnel owners not renewed and instances without a
     # heartbeat since `before`; queue tickets expired at `now`; all but the newest `keep`

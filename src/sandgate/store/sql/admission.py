@@ -1,23 +1,23 @@
-"""Admission in SQL: tenant limits, token buckets, the create queue and the breaker.
+"""Admission in SQL: tenant limits and quotas, token buckets, and the create queue.
 
 Each check-and-take is one transaction whose *first* statement is a write to the row that
-guards it (an `UPDATE` of the limits row, the queue's lock row or the breaker row). On
-PostgreSQL that row lock serializes the check across every instance; on SQLite the first
-write takes the database's write lock, so a transaction never has to upgrade a read lock.
-That is what makes the counts exact under N instances: nothing here is counted in memory.
-The rate limit needs no lock at all: one conditional `UPDATE` refills and takes a token.
+guards it (an `UPDATE` of the limits row, the queue's lock row or the breaker row, in
+`breaker`). On PostgreSQL that row lock serializes the check across every instance; on SQLite
+the first write takes the database's write lock, so a transaction never has to upgrade a read
+lock. That is what makes the counts exact under N instances: nothing here is counted in
+memory. The rate limit needs no lock at all: one conditional `UPDATE` refills and takes a
+token. `lock_tenant_limits` and `check_quota` are the quota's two steps inside the create
+transactions of `sandboxes` and `exec_jobs`.
 """
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, cast
+from datetime import datetime
+from typing import Any, Final
 
 from sqlalchemy import (
     Float,
     Integer,
-    Row,
     and_,
     bindparam,
     case,
@@ -25,27 +25,16 @@ from sqlalchemy import (
     func,
     insert,
     literal,
-    or_,
     select,
     true,
     update,
 )
 from sqlalchemy import cast as sql_cast
-from sqlalchemy.dialects import postgresql as pg
-from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sandgate.core import breaker
-from sandgate.core.breaker import BreakerPolicy, BreakerRecord
 from sandgate.errors import QuotaConflictError, StoreError
-from sandgate.store.base import (
-    AdmissionSnapshot,
-    SandboxName,
-    SchedulingTimeout,
-    TenantId,
-    TenantLimits,
-    TenantShare,
-)
+from sandgate.store.base import AdmissionSnapshot, TenantId, TenantLimits, TenantShare
 from sandgate.store.ops import store_op
 from sandgate.store.schema import (
     admission_locks,
@@ -54,17 +43,12 @@ from sandgate.store.schema import (
     exec_jobs,
     rate_buckets,
     sandboxes,
-    scheduling_timeouts,
     tenant_limits,
     tunnel_owners,
     workers,
 )
-
-if TYPE_CHECKING:
-    from collections.abc import Mapping
-    from contextlib import AbstractAsyncContextManager
-
-    from sqlalchemy.ext.asyncio import AsyncEngine
+from sandgate.store.sql import rows
+from sandgate.store.sql.engine import Database, PerDialect, dialect_insert
 
 QUEUE_LOCK: Final = "queue"
 
@@ -203,95 +187,26 @@ _RENEW_TICKET = (
 _DELETE_TICKET = delete(admission_tickets).where(
     admission_tickets.c.id == bindparam("b_id", type_=Integer)
 )
-
-# --- breaker
-_IS_SCHEDULING = breakers.c.name == breaker.SCHEDULING
-_SNAPSHOT = select(breakers, _LIVE_TICKETS.scalar_subquery().label("queued")).where(_IS_SCHEDULING)
-_GUARD_BREAKER = update(breakers).where(_IS_SCHEDULING).values(updated_at=breakers.c.updated_at)
-_SELECT_BREAKER = select(breakers).where(_IS_SCHEDULING)
-_INSERT_TIMEOUT = insert(scheduling_timeouts)
-_PURGE_TIMEOUTS = delete(scheduling_timeouts).where(
-    scheduling_timeouts.c.at < bindparam("b_before")
-)
-_COUNT_TIMEOUTS = (
+_COUNT_TENANT_TICKETS = (
     select(func.count())
-    .select_from(scheduling_timeouts)
-    .where(scheduling_timeouts.c.at >= bindparam("b_since"))
-)
-_LIST_TIMEOUTS = (
-    select(scheduling_timeouts)
-    .where(scheduling_timeouts.c.at >= bindparam("b_since"))
-    .order_by(scheduling_timeouts.c.id.desc())
-    .limit(bindparam("b_limit", type_=Integer))
-)
-_WRITE_BREAKER = (
-    update(breakers)
-    .where(_IS_SCHEDULING)
-    .values(
-        state=bindparam("b_state"),
-        reason=bindparam("b_reason"),
-        opened_at=bindparam("b_opened_at"),
-        open_until=bindparam("b_open_until"),
-        trial=bindparam("b_trial"),
-        trial_at=bindparam("b_trial_at"),
-        closed_at=bindparam("b_closed_at"),
-        updated_at=bindparam("b_updated_at"),
-    )
-)
-_CLAIM_TRIAL = (
-    update(breakers)
+    .select_from(admission_tickets)
     .where(
-        _IS_SCHEDULING,
-        or_(
-            and_(breakers.c.state == "open", breakers.c.open_until <= bindparam("b_now")),
-            and_(
-                breakers.c.state == "half_open", breakers.c.trial_at <= bindparam("b_stale_before")
-            ),
-        ),
-    )
-    .values(
-        state="half_open",
-        trial=bindparam("b_trial"),
-        trial_at=bindparam("b_now"),
-        updated_at=bindparam("b_now"),
+        admission_tickets.c.tenant_id == bindparam("b_tenant_id"),
+        admission_tickets.c.expires_at >= bindparam("b_now"),
     )
 )
-_TRIAL_SUCCEEDED = (
-    update(breakers)
-    .where(_IS_SCHEDULING, breakers.c.state == "half_open")
-    .where(breakers.c.trial == bindparam("b_trial"))
-    .values(
-        state="closed",
-        reason=None,
-        opened_at=None,
-        open_until=None,
-        trial=None,
-        trial_at=None,
-        closed_at=bindparam("b_now"),
-        updated_at=bindparam("b_now"),
-    )
-)
-_TRIAL_INCONCLUSIVE = (
-    update(breakers)
-    .where(_IS_SCHEDULING, breakers.c.state == "half_open")
-    .where(breakers.c.trial == bindparam("b_trial"))
-    .values(
-        state="open",
-        open_until=bindparam("b_now"),
-        trial=None,
-        trial_at=None,
-        updated_at=bindparam("b_now"),
-    )
+# one read for the create path: the scheduling breaker and how many wait in the queue
+_SNAPSHOT = select(breakers, _LIVE_TICKETS.scalar_subquery().label("queued")).where(
+    breakers.c.name == breaker.SCHEDULING
 )
 
 
-class _AdmissionStatements:
-    """The inserts whose ON CONFLICT clause differs per dialect."""
+class _Upserts:
+    """Admission's inserts whose ON CONFLICT clause differs per dialect."""
 
-    def __init__(self, dialect_name: str) -> None:
-        dialect_insert = sqlite_dialect.insert if dialect_name == "sqlite" else pg.insert
-        limits_ins = dialect_insert(tenant_limits)
-        self.upsert_limits = limits_ins.on_conflict_do_update(
+    def __init__(self, dialect: str) -> None:
+        limits_ins = dialect_insert(dialect, tenant_limits)
+        self.upsert_limits: Final = limits_ins.on_conflict_do_update(
             index_elements=[tenant_limits.c.tenant_id],
             set_={
                 "rps": limits_ins.excluded.rps,
@@ -301,51 +216,18 @@ class _AdmissionStatements:
                 "updated_at": limits_ins.excluded.updated_at,
             },
         )
-        self.insert_bucket = dialect_insert(rate_buckets).on_conflict_do_nothing(
+        self.insert_bucket: Final = dialect_insert(dialect, rate_buckets).on_conflict_do_nothing(
             index_elements=[rate_buckets.c.tenant_id]
         )
-        self.insert_lock = dialect_insert(admission_locks).on_conflict_do_nothing(
+        self.insert_lock: Final = dialect_insert(dialect, admission_locks).on_conflict_do_nothing(
             index_elements=[admission_locks.c.name]
         )
-        self.insert_breaker = dialect_insert(breakers).on_conflict_do_nothing(
-            index_elements=[breakers.c.name]
-        )
 
 
-_STATEMENTS: Final = MappingProxyType(
-    {name: _AdmissionStatements(name) for name in ("sqlite", "postgresql")}
-)
+_UPSERTS: Final = PerDialect(_Upserts)
 
 
-def _breaker(row: Row[Any] | None) -> BreakerRecord:
-    if row is None:  # a database migrated before its row was seeded: closed
-        return breaker.CLOSED_AT_START
-    return BreakerRecord(
-        state=cast(breaker.BreakerStateName, row.state),
-        updated_at=row.updated_at,
-        reason=row.reason,
-        opened_at=row.opened_at,
-        open_until=row.open_until,
-        trial=row.trial,
-        trial_at=row.trial_at,
-        closed_at=row.closed_at,
-    )
-
-
-def _breaker_params(record: BreakerRecord) -> dict[str, Any]:
-    return {
-        "b_state": record.state,
-        "b_reason": record.reason,
-        "b_opened_at": record.opened_at,
-        "b_open_until": record.open_until,
-        "b_trial": record.trial,
-        "b_trial_at": record.trial_at,
-        "b_closed_at": record.closed_at,
-        "b_updated_at": record.updated_at,
-    }
-
-
-async def _lock(
+async def lock_guard(
     conn: AsyncConnection, guard: Any, params: dict[str, Any], seed: Any, row: dict[str, Any]
 ) -> None:
     """Lock a guard row by writing it, first seeding it if a database lacks it (the
@@ -372,31 +254,17 @@ async def check_quota(
         raise QuotaConflictError(f"{live - 1} already, the quota is {limit}", live=live - 1)
 
 
-class AdmissionQueries:
-    """The admission half of `SqlStore` (mixed in; uses its engine and helpers)."""
-
-    if TYPE_CHECKING:
-        _engine: AsyncEngine
-        _counters: AsyncEngine
-
-        @property
-        def dialect(self) -> str: ...
-
-        def _single(self) -> AbstractAsyncContextManager[AsyncConnection]: ...
-        async def _fetch_one(self, stmt: Any, params: Mapping[str, Any]) -> Row[Any] | None: ...
-        async def _fetch_all(self, stmt: Any, params: Mapping[str, Any]) -> list[Row[Any]]: ...
-        async def _write(self, stmt: Any, params: Mapping[str, Any]) -> int: ...
-
-    @property
-    def _admission(self) -> _AdmissionStatements:
-        return _STATEMENTS[self.dialect]
+class Admission:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._upserts = _UPSERTS.of(db)
 
     # --- tenant limits
 
     @store_op
     async def set_tenant_limits(self, limits: TenantLimits, now: datetime) -> None:
-        await self._write(
-            self._admission.upsert_limits,
+        await self._db.write(
+            self._upserts.upsert_limits,
             {
                 "tenant_id": limits.tenant_id,
                 "rps": limits.rps,
@@ -410,7 +278,7 @@ class AdmissionQueries:
 
     @store_op
     async def get_tenant_limits(self, tenant_id: TenantId) -> TenantLimits | None:
-        row = await self._fetch_one(_SELECT_LIMITS, {"b_tenant_id": tenant_id})
+        row = await self._db.fetch_one(_SELECT_LIMITS, {"b_tenant_id": tenant_id})
         if row is None or row.tenant_id != tenant_id:
             return None
         return TenantLimits(
@@ -423,7 +291,7 @@ class AdmissionQueries:
 
     @store_op
     async def count_tenant_live_sandboxes(self, tenant_id: TenantId) -> int:
-        row = await self._fetch_one(_COUNT_LIVE_SANDBOXES, {"b_tenant_id": tenant_id})
+        row = await self._db.fetch_one(_COUNT_LIVE_SANDBOXES, {"b_tenant_id": tenant_id})
         return 0 if row is None else int(row[0])
 
     @store_op
@@ -434,7 +302,7 @@ class AdmissionQueries:
             raise StoreError("a rate limit needs rps > 0 and burst >= 1")
         params = {"b_tenant_id": tenant_id, "b_now": now, "b_rps": rps, "b_burst": float(burst)}
         for _ in range(2):
-            async with self._counters.connect() as conn:
+            async with self._db.counters.connect() as conn:
                 if (await conn.execute(_TAKE_TOKEN, params)).rowcount == 1:
                     await conn.commit()  # a no-op in autocommit; pysqlite needs it
                     return 0.0
@@ -443,7 +311,7 @@ class AdmissionQueries:
                     return max((1.0 - float(row.level)) / rps, 1e-3)
                 # the tenant's first request: a full bucket, less this one
                 seed = {"tenant_id": tenant_id, "tokens": float(burst) - 1.0, "refilled_at": now}
-                inserted = (await conn.execute(self._admission.insert_bucket, seed)).rowcount
+                inserted = (await conn.execute(self._upserts.insert_bucket, seed)).rowcount
                 await conn.commit()
                 if inserted == 1:
                     return 0.0
@@ -453,20 +321,20 @@ class AdmissionQueries:
 
     @store_op
     async def admission_snapshot(self, now: datetime) -> AdmissionSnapshot:
-        row = await self._fetch_one(_SNAPSHOT, {"b_now": now})
+        row = await self._db.fetch_one(_SNAPSHOT, {"b_now": now})
         if row is None:
-            queued = await self._fetch_one(_LIVE_TICKETS, {"b_now": now})
+            queued = await self._db.fetch_one(_LIVE_TICKETS, {"b_now": now})
             return AdmissionSnapshot(breaker.CLOSED_AT_START, int(queued[0]) if queued else 0)
-        return AdmissionSnapshot(_breaker(row), int(row.queued))
+        return AdmissionSnapshot(rows.breaker_record(row), int(row.queued))
 
     @store_op
     async def enqueue_create(
         self, tenant_id: TenantId, node_url: str, now: datetime, expires_at: datetime, limit: int
     ) -> int | None:
-        async with self._engine.begin() as conn:
+        async with self._db.begin() as conn:
             lock_row = {"name": QUEUE_LOCK, "touched": 0}
-            await _lock(
-                conn, _GUARD_QUEUE, {"b_name": QUEUE_LOCK}, self._admission.insert_lock, lock_row
+            await lock_guard(
+                conn, _GUARD_QUEUE, {"b_name": QUEUE_LOCK}, self._upserts.insert_lock, lock_row
             )
             await conn.execute(_PURGE_TICKETS, {"b_now": now})
             queued = int((await conn.execute(_LIVE_TICKETS, {"b_now": now})).scalar_one())
@@ -492,73 +360,21 @@ class AdmissionQueries:
         if share is not None:
             stmt = _POSITION_WITH_SHARE
             params |= {"b_share": share.fraction, "b_connected_since": share.connected_since}
-        row = await self._fetch_one(stmt, params)
+        row = await self._db.fetch_one(stmt, params)
         return None if row is None else int(row.ahead)
 
     @store_op
     async def renew_ticket(self, ticket: int, expires_at: datetime) -> bool:
-        return await self._write(_RENEW_TICKET, {"b_id": ticket, "b_expires_at": expires_at}) == 1
+        params = {"b_id": ticket, "b_expires_at": expires_at}
+        return await self._db.write(_RENEW_TICKET, params) == 1
 
     @store_op
     async def leave_queue(self, ticket: int) -> None:
-        await self._write(_DELETE_TICKET, {"b_id": ticket})
-
-    # --- the scheduling breaker
+        await self._db.write(_DELETE_TICKET, {"b_id": ticket})
 
     @store_op
-    async def record_scheduling_timeout(
-        self, event: SchedulingTimeout, policy: BreakerPolicy
-    ) -> BreakerRecord:
-        now = event.at
-        async with self._engine.begin() as conn:
-            closed = {"name": breaker.SCHEDULING, "state": "closed", "updated_at": now}
-            await _lock(conn, _GUARD_BREAKER, {}, self._admission.insert_breaker, closed)
-            record = _breaker((await conn.execute(_SELECT_BREAKER)).first())
-            await conn.execute(
-                _PURGE_TIMEOUTS, {"b_before": now - timedelta(seconds=policy.window)}
-            )
-            await conn.execute(
-                _INSERT_TIMEOUT,
-                {
-                    "at": now,
-                    "sandbox_name": event.sandbox_name,
-                    "tenant_id": event.tenant_id,
-                    "node_url": event.node_url,
-                    "reason": event.reason,
-                },
-            )
-            since = breaker.window_start(record, now, policy)
-            counted = int((await conn.execute(_COUNT_TIMEOUTS, {"b_since": since})).scalar_one())
-            changed = breaker.after_timeout(
-                record, counted, event.sandbox_name, event.reason, now, policy
-            )
-            if changed is None:
-                return record
-            await conn.execute(_WRITE_BREAKER, _breaker_params(changed))
-            return changed
-
-    @store_op
-    async def list_scheduling_timeouts(
-        self, since: datetime, limit: int
-    ) -> list[SchedulingTimeout]:
-        rows = await self._fetch_all(_LIST_TIMEOUTS, {"b_since": since, "b_limit": limit})
-        return [
-            SchedulingTimeout(
-                at=r.at,
-                sandbox_name=SandboxName(r.sandbox_name),
-                tenant_id=TenantId(r.tenant_id),
-                node_url=r.node_url,
-                reason=r.reason,
-            )
-            for r in rows
-        ]
-
-    @store_op
-    async def claim_breaker_trial(self, trial: str, now: datetime, stale_before: datetime) -> bool:
-        params = {"b_trial": trial, "b_now": now, "b_stale_before": stale_before}
-        return await self._write(_CLAIM_TRIAL, params) == 1
-
-    @store_op
-    async def conclude_breaker_trial(self, trial: str, success: bool, now: datetime) -> bool:
-        stmt = _TRIAL_SUCCEEDED if success else _TRIAL_INCONCLUSIVE
-        return await self._write(stmt, {"b_trial": trial, "b_now": now}) == 1
+    async def count_tenant_queued(self, tenant_id: TenantId, now: datetime) -> int:
+        row = await self._db.fetch_one(
+            _COUNT_TENANT_TICKETS, {"b_tenant_id": tenant_id, "b_now": now}
+        )
+        return 0 if row is None else int(row[0])

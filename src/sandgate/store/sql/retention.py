@@ -4,15 +4,16 @@ Each is one or a few `DELETE`s of at most `limit` rows, run by every instance's 
 (`sandgate.control.recovery`); they are idempotent, so two instances sweeping at once only
 delete the same rows once. What each table is bounded by, swept or not, is the table
 `STORE_GROWTH` below, rendered into `docs/state.md` ("What grows and what bounds it"); a unit
-test fails when a table of `schema.metadata` has no row there.
+test fails when a table of `schema.metadata` has no row there. (Finished exec jobs are swept
+by `exec_jobs.ExecJobs.sweep_exec_jobs`, beside their other statements.)
 """
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
-from sqlalchemy import Integer, bindparam, delete, select, tuple_
+from sqlalchemy import Integer, Row, bindparam, delete, select, tuple_
 
 from sandgate.store.ops import store_op
 from sandgate.store.schema import (
@@ -24,12 +25,7 @@ from sandgate.store.schema import (
     scheduling_timeouts,
     tunnel_owners,
 )
-
-if TYPE_CHECKING:
-    from collections.abc import Mapping
-
-    from sqlalchemy import Row
-    from sqlalchemy.ext.asyncio import AsyncEngine
+from sandgate.store.sql.engine import Database
 
 # states a sandbox never leaves: its row (and its create job and idempotency record) is
 # deleted `sandbox_retention` after it entered one of them
@@ -100,13 +96,9 @@ _SURPLUS_TIMEOUTS = delete(scheduling_timeouts).where(
 )
 
 
-class RetentionQueries:
-    """The retention half of `SqlStore` (mixed in; uses its engine and helpers)."""
-
-    if TYPE_CHECKING:
-        _engine: AsyncEngine
-
-        async def _write(self, stmt: Any, params: Mapping[str, Any]) -> int: ...
+class Retention:
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     @store_op
     async def sweep_sandboxes(self, ended_before: datetime, limit: int) -> int:
@@ -115,7 +107,7 @@ class RetentionQueries:
         sandboxes. Their exec jobs went already (`sweep_exec_jobs`: a sandbox not live)."""
         if limit <= 0:
             return 0
-        async with self._engine.begin() as conn:
+        async with self._db.begin() as conn:
             found: list[Row[Any]] = list(
                 await conn.execute(
                     _ENDED_SANDBOXES, {"b_ended_before": ended_before, "b_limit": limit}
@@ -136,24 +128,24 @@ class RetentionQueries:
     async def sweep_tunnel_owners(self, before: datetime, limit: int) -> int:
         """Delete tunnel owner records not renewed since `before` (long past the owner TTL,
         where a record and no record mean the same: nobody holds that tunnel)."""
-        return await self._write(_STALE_OWNERS, {"b_before": before, "b_limit": limit})
+        return await self._db.write(_STALE_OWNERS, {"b_before": before, "b_limit": limit})
 
     @store_op
     async def sweep_instances(self, before: datetime, limit: int) -> int:
         """Delete the heartbeat rows of instances silent since `before` (dead: a missing row
         counts as dead too, so their unfinished exec jobs are failed all the same)."""
-        return await self._write(_DEAD_INSTANCES, {"b_before": before, "b_limit": limit})
+        return await self._db.write(_DEAD_INSTANCES, {"b_before": before, "b_limit": limit})
 
     @store_op
     async def sweep_admission_tickets(self, now: datetime, limit: int) -> int:
         """Delete queue tickets whose lease ran out (they no longer count or place)."""
-        return await self._write(_EXPIRED_TICKETS, {"b_now": now, "b_limit": limit})
+        return await self._db.write(_EXPIRED_TICKETS, {"b_now": now, "b_limit": limit})
 
     @store_op
     async def sweep_scheduling_timeouts(self, keep: int, limit: int) -> int:
         """Keep only the newest `keep` scheduling timeouts (the breaker counts at most its
         threshold of them, within its window); delete at most `limit` older ones."""
-        return await self._write(_SURPLUS_TIMEOUTS, {"b_keep": keep, "b_limit": limit})
+        return await self._db.write(_SURPLUS_TIMEOUTS, {"b_keep": keep, "b_limit": limit})
 
 
 # What each store table is bounded by; rendered into docs/state.md.
