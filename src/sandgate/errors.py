@@ -23,9 +23,23 @@ SandgateError                      code, message (both shown to the user)
     ├── IdempotencyConflictError   (tenant, digest) already recorded; carries nothing else
     ├── QuotaConflictError         a tenant's live count is at its quota; carries the count
     └── CapacityConflictError      the chosen worker filled up meanwhile (placement retries)
+
+Elsewhere: `tunnel.rpc.LinkClosedError` (a TunnelUnavailableError: the link went away while
+a call waited), `tunnel.rpc.NoAnswerError` (a SandboxTimeoutError: our own wait ran out),
+`control.peers.PeerMisconfiguredError` (an UnavailableError: a peer instance refused us).
+
+On the wire (tunnel frames, peer links) an error is `{"code", "message", "details"}`:
+`to_wire` writes it, `from_wire` reads it back into the class `WIRE_CODES` names for the
+code. Nobody recognises an error by its message.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Self
+
+Details = dict[str, str | float]
 
 
 class SandgateError(Exception):
@@ -36,6 +50,14 @@ class SandgateError(Exception):
         self.message = message
         if code is not None:
             self.code = code
+
+    def details(self) -> Details:
+        """What the error carries beyond code and message (sent on the wire)."""
+        return {}
+
+    @classmethod
+    def from_details(cls, message: str, code: str, details: Mapping[str, Any]) -> Self:
+        return cls(message, code=code)
 
 
 class InvalidRequestError(SandgateError):
@@ -59,10 +81,19 @@ class ResourceCapError(InvalidRequestError):
 
     code = "resource_cap_exceeded"
 
-    def __init__(self, message: str, *, cap: str, value: float) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, cap: str, value: float, code: str | None = None) -> None:
+        super().__init__(message, code=code)
         self.cap = cap
         self.value = value
+
+    def details(self) -> Details:
+        return {"cap": self.cap, "value": self.value}
+
+    @classmethod
+    def from_details(cls, message: str, code: str, details: Mapping[str, Any]) -> Self:
+        return cls(
+            message, cap=str(details.get("cap", "")), value=_number(details, "value"), code=code
+        )
 
 
 class AuthError(SandgateError):
@@ -109,6 +140,14 @@ class LimitExceededError(SandgateError):
         self.limit = limit
         self.retry_after = retry_after
 
+    def details(self) -> Details:
+        return {"limit": self.limit, "retry_after": self.retry_after}
+
+    @classmethod
+    def from_details(cls, message: str, code: str, details: Mapping[str, Any]) -> Self:
+        limit = str(details.get("limit", ""))
+        return cls(message, limit=limit, retry_after=_number(details, "retry_after"), code=code)
+
 
 class UnavailableError(SandgateError):
     code = "unavailable"
@@ -116,6 +155,13 @@ class UnavailableError(SandgateError):
     def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
         super().__init__(message, code=code)
         self.retry_after = retry_after
+
+    def details(self) -> Details:
+        return {"retry_after": self.retry_after}
+
+    @classmethod
+    def from_details(cls, message: str, code: str, details: Mapping[str, Any]) -> Self:
+        return cls(message, retry_after=_number(details, "retry_after", 1.0), code=code)
 
 
 class NoCapacityError(UnavailableError):
@@ -149,10 +195,85 @@ class IdempotencyConflictError(StoreError):
 class QuotaConflictError(StoreError):
     code = "quota_conflict"
 
-    def __init__(self, message: str, *, live: int) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, live: int, code: str | None = None) -> None:
+        super().__init__(message, code=code)
         self.live = live
+
+    @classmethod
+    def from_details(cls, message: str, code: str, details: Mapping[str, Any]) -> Self:
+        return cls(message, live=int(_number(details, "live")), code=code)
 
 
 class CapacityConflictError(StoreError):
     code = "capacity_conflict"
+
+
+def _number(details: Mapping[str, Any], key: str, default: float = 0.0) -> float:
+    value = details.get(key, default)
+    return float(value) if isinstance(value, int | float) and value == value else default
+
+
+# Every code that may cross a tunnel or a peer link, and the class it is read back as. A code
+# not listed is a WorkerError (502): a peer's answer is untrusted input.
+WIRE_CODES: Mapping[str, type[SandgateError]] = MappingProxyType(
+    {
+        # the request
+        "invalid_request": InvalidRequestError,
+        "validation_error": InvalidRequestError,
+        "bad_cursor": InvalidRequestError,
+        "invalid_idempotency_key": InvalidRequestError,
+        "idempotency_key_reused": IdempotencyMismatchError,
+        "path_outside_sandbox": PathOutsideSandboxError,
+        "permission_denied": PathOutsideSandboxError,  # the agent: EACCES, EPERM, EROFS
+        "network_unavailable": NetworkUnavailableError,
+        "resource_cap_exceeded": ResourceCapError,
+        "payload_too_large": PayloadTooLargeError,
+        # who asks
+        "unauthorized": AuthError,
+        "forbidden": ForbiddenError,
+        # the target
+        "not_found": NotFoundError,
+        "conflict": ConflictError,
+        "exists": ConflictError,
+        "not_a_directory": ConflictError,
+        "is_a_directory": ConflictError,
+        "directory_not_empty": ConflictError,
+        "not_running": ConflictError,
+        "process_exited": ConflictError,
+        "storage_full": StorageFullError,
+        "disk_quota_exceeded": DiskQuotaExceededError,
+        # limits and availability
+        "limit_exceeded": LimitExceededError,
+        "rate_limited": LimitExceededError,
+        "quota_exceeded": LimitExceededError,
+        "queue_full": LimitExceededError,
+        "unavailable": UnavailableError,
+        "no_capacity": NoCapacityError,
+        "tunnel_unavailable": TunnelUnavailableError,
+        "scheduling_breaker_open": UnavailableError,
+        "queue_timeout": UnavailableError,
+        "peer_misconfigured": UnavailableError,
+        "delivery_skipped": UnavailableError,
+        "timeout": SandboxTimeoutError,
+        # failures
+        "worker_error": WorkerError,
+        "io_error": WorkerError,  # the agent: any other OSError
+        "store_error": StoreError,
+    }
+)
+
+
+def to_wire(exc: SandgateError) -> dict[str, Any]:
+    wire: dict[str, Any] = {"code": exc.code, "message": exc.message}
+    if details := exc.details():
+        wire["details"] = details
+    return wire
+
+
+def from_wire(error: Mapping[str, Any]) -> SandgateError:
+    """The error a peer answered with, as its class (WorkerError for a code not known)."""
+    code = str(error.get("code", "worker_error"))
+    message = str(error.get("message", "the peer failed without a message"))
+    details = error.get("details")
+    cls = WIRE_CODES.get(code, WorkerError)
+    return cls.from_details(message, code, details if isinstance(details, dict) else {})

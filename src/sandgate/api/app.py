@@ -30,6 +30,7 @@ from sandgate.control.peers import PeerClient
 from sandgate.control.reaper import Reaper
 from sandgate.control.recovery import TIMEOUTS_KEPT, Recovery
 from sandgate.control.sandboxes import SandboxService
+from sandgate.control.toolbox import Toolbox
 from sandgate.control.workers import WorkerRegistry
 from sandgate.errors import TunnelUnavailableError
 from sandgate.faults import FAULTS
@@ -60,8 +61,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
             await service.wake(WorkerName(session.worker))
 
         workers.on_serving = deliver_waiting  # a re-attached worker gets its creates at once
-        jobs = ExecJobService(store, state, service, settings, gate, node_url=node_url)
-        app.state.services = Services(settings, store, state, workers, service, jobs, gate)
+        toolbox = Toolbox(service, workers)
+        jobs = ExecJobService(store, state, service, toolbox, settings, gate, node_url=node_url)
+        app.state.services = Services(settings, store, state, workers, service, toolbox, jobs, gate)
         try:
             # this instance holds no tunnel yet: records naming it are from before a crash or
             # restart, and would send creates to a tunnel that is gone until they expire

@@ -17,6 +17,7 @@ from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission
 from sandgate.control.exec_jobs import ExecJobService
 from sandgate.control.sandboxes import SandboxService
+from sandgate.control.toolbox import Toolbox
 from sandgate.control.workers import WorkerRegistry
 from sandgate.core.credentials import key_hash
 from sandgate.errors import AuthError, ForbiddenError
@@ -31,6 +32,7 @@ class Services:
     state: ServerLocalState
     workers: WorkerRegistry
     sandboxes: SandboxService
+    toolbox: Toolbox  # every call into a running sandbox
     exec_jobs: ExecJobService
     admission: Admission
 

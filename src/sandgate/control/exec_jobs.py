@@ -16,15 +16,13 @@ import logging
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
 
 from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission
-from sandgate.control.replies import ExecReply, parse
 from sandgate.control.sandboxes import SandboxService
+from sandgate.control.toolbox import Toolbox
 from sandgate.control.workers import utcnow
 from sandgate.core import idempotency
-from sandgate.core.output import decode_output, split_output
 from sandgate.errors import (
     IdempotencyConflictError,
     IdempotencyMismatchError,
@@ -32,7 +30,6 @@ from sandgate.errors import (
     NotFoundError,
     SandgateError,
     UnavailableError,
-    WorkerError,
 )
 from sandgate.local_state import ServerLocalState
 from sandgate.store.base import (
@@ -71,6 +68,7 @@ class ExecJobService:
         store: Store,
         state: ServerLocalState,
         sandboxes: SandboxService,
+        toolbox: Toolbox,
         settings: ServerSettings,
         admission: Admission,
         *,
@@ -79,6 +77,7 @@ class ExecJobService:
         self.store = store
         self.state = state
         self.sandboxes = sandboxes
+        self.toolbox = toolbox
         self.settings = settings
         self.admission = admission
         self.node_url = node_url
@@ -175,43 +174,33 @@ class ExecJobService:
         log.info("exec_job.finished", extra={"job": job.id, "state": result.state})
 
     async def _execute(self, job: ExecJob, request: ExecJobRequest) -> ExecResult:
-        call: dict[str, Any] = {
-            "op": "exec",
-            "language": "bash",
-            "timeout": request.timeout,
-            "env": request.env,
-            "cwd": request.cwd,
-        }
         try:
-            raw, payload = await self.sandboxes.agent_call(
+            ran = await self.toolbox.execute(
                 job.tenant_id,
                 job.sandbox_name,
-                call,
-                request.command.encode(),
-                seconds=request.timeout,
+                request.command,
+                time_limit=request.timeout,
+                env=request.env,
+                cwd=request.cwd,
             )
-            reply = parse(ExecReply, raw)
-            if reply.stdout_bytes > len(payload):
-                raise WorkerError("the sandbox sent a malformed exec answer")
         except SandgateError as exc:
             return ExecResult("failed", None, error=f"{exc.code}: {exc.message}")
         except Exception as exc:
             log.exception("exec_job.failed_unexpectedly", extra={"job": job.id})
             return ExecResult("failed", None, error=f"internal error: {type(exc).__name__}")
-        out, err = split_output(payload, reply.stdout_bytes)
-        if reply.timed_out:
+        if ran.timed_out:
             error: str | None = f"timed out after {request.timeout:g} s; the command was killed"
-        elif reply.exit_code != 0:
-            error = f"exited with code {reply.exit_code}"
+        elif ran.exit_code != 0:
+            error = f"exited with code {ran.exit_code}"
         else:
             error = None
         return ExecResult(
             state="succeeded" if error is None else "failed",
-            exit_code=reply.exit_code,
-            stdout=decode_output(out, reply.stdout_truncated),
-            stderr=decode_output(err, reply.stderr_truncated),
-            stdout_truncated=reply.stdout_truncated,
-            stderr_truncated=reply.stderr_truncated,
+            exit_code=ran.exit_code,
+            stdout=ran.stdout,
+            stderr=ran.stderr,
+            stdout_truncated=ran.stdout_truncated,
+            stderr_truncated=ran.stderr_truncated,
             error=error,
         )
 

@@ -200,7 +200,9 @@ class PeerClient:
     def _error(self, node_url: str, response: httpx.Response) -> Exception:
         try:
             error = response.json()["error"]
-            code, message = str(error["code"]), str(error["message"])
+            message = str(error["message"])
+            if not isinstance(error, dict) or not isinstance(error.get("code"), str):
+                raise TypeError("no error code")
         except (ValueError, KeyError, TypeError):
             return PeerMisconfiguredError(
                 f"peer {node_url} answered {response.status_code} without a sandgate error"
@@ -211,4 +213,4 @@ class PeerClient:
                 f"peer {node_url} refused our signature ({message}); every instance needs the "
                 "same --secret-file"
             )
-        return remote_error({"error": {"code": code, "message": message}})
+        return remote_error({"error": error})

@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
-from sandgate.agent.frames import Header
 from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission, Disconnected
 from sandgate.control.workers import Placement, WorkerRegistry, utcnow
@@ -590,28 +589,6 @@ class SandboxService:
             await self.stop(sandbox, "stopped", reason="timeout reached")
             log.info("sandbox.expired", extra={"sandbox": sandbox.name})
         return len(due)
-
-    # -- calls into a running sandbox ---------------------------------------------------------
-    async def agent_call(
-        self,
-        tenant: TenantId,
-        name: str,
-        call: dict[str, Any],
-        payload: bytes = b"",
-        *,
-        seconds: float = 60.0,
-    ) -> tuple[Header, bytes]:
-        """Relay one agent call; `seconds` is how long the call itself may run."""
-        sandbox = await self.running(tenant, name)
-        fields = {"sandbox": sandbox.name, "call": call, "timeout_s": seconds}
-        try:
-            return await self.workers.request(
-                sandbox.worker, "agent", fields, payload, wait=seconds + 5.0
-            )
-        except NotFoundError as exc:
-            if exc.message.startswith("sandbox ") and "not running on this worker" in exc.message:
-                raise ConflictError(f"sandbox {name} is not running", code="not_running") from None
-            raise
 
 
 @dataclass(frozen=True)

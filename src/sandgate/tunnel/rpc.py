@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
-from types import MappingProxyType
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sandgate.agent.frames import Header, encode, error_header
 from sandgate.errors import (
-    ConflictError,
-    PathOutsideSandboxError,
     SandboxTimeoutError,
     SandgateError,
     TunnelUnavailableError,
-    WorkerError,
+    from_wire,
+    to_wire,
 )
 
 log = logging.getLogger(__name__)
@@ -29,31 +27,6 @@ log = logging.getLogger(__name__)
 Send = Callable[[bytes], Awaitable[None]]
 Handler = Callable[[Header, bytes], Awaitable[tuple[Header, bytes]]]
 EventHandler = Callable[[Header, bytes], Awaitable[None]]
-
-# Error codes the agent answers with, beyond the domain errors' own codes.
-_AGENT_ERRORS: Mapping[str, type[SandgateError]] = MappingProxyType(
-    {
-        "exists": ConflictError,
-        "not_a_directory": ConflictError,
-        "is_a_directory": ConflictError,
-        "directory_not_empty": ConflictError,
-        "not_running": ConflictError,
-        "process_exited": ConflictError,
-        "permission_denied": PathOutsideSandboxError,
-        "io_error": WorkerError,
-    }
-)
-
-
-def _error_class(code: str) -> type[SandgateError]:
-    """The domain error with this code (any subclass of SandgateError), else WorkerError."""
-    pending: list[type[SandgateError]] = [SandgateError]
-    while pending:
-        cls = pending.pop()
-        if cls.code == code and cls is not SandgateError:
-            return cls
-        pending.extend(cls.__subclasses__())
-    return _AGENT_ERRORS.get(code, WorkerError)
 
 
 class LinkClosedError(TunnelUnavailableError):
@@ -66,10 +39,9 @@ class NoAnswerError(SandboxTimeoutError):
 
 
 def remote_error(header: Header) -> SandgateError:
-    err = header.get("error") or {}
-    code = str(err.get("code", "worker_error"))
-    message = str(err.get("message", "the peer failed without a message"))
-    return _error_class(code)(message, code=code)
+    """The error a peer answered with (its code decides the class: `errors.WIRE_CODES`)."""
+    err = header.get("error")
+    return from_wire(err if isinstance(err, dict) else {})
 
 
 class RpcChannel:
@@ -226,7 +198,7 @@ class RpcChannel:
             reply, body = await self._handler(header, payload)
             response: Header = {"id": request_id, "ok": True, **reply}
         except SandgateError as exc:
-            response, body = error_header(request_id, exc.code, exc.message), b""
+            response, body = {"id": request_id, "ok": False, "error": to_wire(exc)}, b""
         except Exception as exc:
             log.exception("rpc.handler_failed", extra={"link": self.name, "op": header.get("op")})
             response, body = (

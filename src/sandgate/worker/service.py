@@ -29,7 +29,6 @@ from sandgate.errors import (
     DiskQuotaExceededError,
     InvalidRequestError,
     NoCapacityError,
-    NotFoundError,
     ResourceCapError,
     SandboxTimeoutError,
     StorageFullError,
@@ -348,7 +347,7 @@ class WorkerService:
         name = str(header.get("sandbox", ""))
         live = self.state.sandboxes.get(name)
         if live is None:
-            raise NotFoundError(f"sandbox {name} is not running on this worker")
+            raise ConflictError(f"sandbox {name} is not running", code="not_running")
         call = header.get("call")
         if not isinstance(call, dict) or not isinstance(call.get("op"), str):
             raise InvalidRequestError("agent relay needs a call with an op")

@@ -18,14 +18,7 @@ from fastapi.responses import StreamingResponse
 from sandgate.api.deps import Services, services, tenant
 from sandgate.api.routes.sandboxes import error_docs
 from sandgate.api.schemas import ProcessList, ProcessOut, Signal, StartProcess, Written
-from sandgate.control.replies import (
-    OutputReply,
-    PidReply,
-    ProcessesReply,
-    WrittenReply,
-    parse,
-)
-from sandgate.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
+from sandgate.errors import InvalidRequestError, PayloadTooLargeError
 from sandgate.store.base import TenantId
 
 router = APIRouter(prefix="/api/v1/sandboxes/{name}/toolbox/processes", tags=["processes"])
@@ -39,34 +32,20 @@ MAX_STDIN_BYTES = 8 << 20
 
 @router.post("", status_code=201, response_model=ProcessOut, responses=error_docs())
 async def start(name: str, body: StartProcess, who: Tenant, svc: Svc) -> Any:
-    call = {
-        "op": "proc_start",
-        "command": body.command,
-        "cwd": body.cwd,
-        "env": body.env,
-        "timeout": body.timeout,
-    }
-    raw, _ = await svc.sandboxes.agent_call(who, name, call)
-    return await _describe(svc, who, name, parse(PidReply, raw).pid)
+    pid = await svc.toolbox.start_process(
+        who, name, body.command, cwd=body.cwd, env=body.env, time_limit=body.timeout
+    )
+    return (await svc.toolbox.process(who, name, pid)).model_dump()
 
 
 @router.get("", response_model=ProcessList, responses=error_docs())
 async def list_processes(name: str, who: Tenant, svc: Svc) -> Any:
-    raw, _ = await svc.sandboxes.agent_call(who, name, {"op": "proc_list"})
-    return {"processes": [p.model_dump() for p in parse(ProcessesReply, raw).processes]}
+    return {"processes": [p.model_dump() for p in await svc.toolbox.processes(who, name)]}
 
 
 @router.get("/{pid}", response_model=ProcessOut, responses=error_docs())
 async def get_process(name: str, pid: int, who: Tenant, svc: Svc) -> Any:
-    return await _describe(svc, who, name, pid)
-
-
-async def _describe(svc: Services, who: TenantId, name: str, pid: int) -> dict[str, Any]:
-    raw, _ = await svc.sandboxes.agent_call(who, name, {"op": "proc_list"})
-    for process in parse(ProcessesReply, raw).processes:
-        if process.pid == pid:
-            return process.model_dump()
-    raise NotFoundError(f"no process {pid} in sandbox {name}")
+    return (await svc.toolbox.process(who, name, pid)).model_dump()
 
 
 @router.get(
@@ -89,32 +68,27 @@ async def stream(
         except ValueError:
             raise InvalidRequestError("Last-Event-ID must be an output offset") from None
     # the first read fails fast (404, 409) before the 200 is committed
-    first = await _read(svc, who, name, pid, start_at or 0, wait=0.0)
+    read = svc.toolbox.process_output
+    first = await read(who, name, pid, start_at or 0, wait=0.0)
 
     async def events() -> AsyncIterator[bytes]:
-        answer = first
+        page = first
         position = start_at or 0
         while True:
-            reply, payload = answer
-            if reply.first_offset > position:
-                yield _event(
-                    "dropped", {"bytes": reply.first_offset - position}, reply.first_offset
-                )
-                position = reply.first_offset
-            cursor = 0
-            for stream_name, length in reply.chunks:
-                data = payload[cursor : cursor + length]
-                cursor += length
-                position += len(data)
-                yield _event(stream_name, _data(data), position)
-            position = max(position, reply.next_offset)
-            if reply.exited:
-                yield _event("exit", {"exit_code": reply.exit_code}, position)
+            if page.first_offset > position:
+                yield _event("dropped", {"bytes": page.first_offset - position}, page.first_offset)
+                position = page.first_offset
+            for chunk in page.chunks:
+                position += len(chunk.data)
+                yield _event(chunk.stream, _data(chunk.data), position)
+            position = max(position, page.next_offset)
+            if page.exited:
+                yield _event("exit", {"exit_code": page.exit_code}, position)
                 return
-            if not follow and not reply.chunks:
+            if not follow and not page.chunks:
                 return  # caught up with a process that still runs
-            answer = await _read(svc, who, name, pid, position, wait=FOLLOW_WAIT if follow else 0)
-            if follow and not answer[0].chunks and not answer[0].exited:
+            page = await read(who, name, pid, position, wait=FOLLOW_WAIT if follow else 0)
+            if follow and not page.chunks and not page.exited:
                 yield b": keep-alive\n\n"  # a quiet process: keep idle proxies from cutting us
 
     return StreamingResponse(
@@ -122,14 +96,6 @@ async def stream(
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
-
-
-async def _read(
-    svc: Services, who: TenantId, name: str, pid: int, offset: int, *, wait: float
-) -> tuple[OutputReply, bytes]:
-    call = {"op": "proc_read", "pid": pid, "offset": offset, "wait": wait}
-    raw, payload = await svc.sandboxes.agent_call(who, name, call, seconds=wait + 5.0)
-    return parse(OutputReply, raw), payload
 
 
 def _data(data: bytes) -> dict[str, str]:
@@ -152,13 +118,10 @@ async def stdin(
         data += chunk
         if len(data) > MAX_STDIN_BYTES:
             raise PayloadTooLargeError(f"stdin writes are at most {MAX_STDIN_BYTES} bytes each")
-    call = {"op": "proc_stdin", "pid": pid, "close": close}
-    raw, _ = await svc.sandboxes.agent_call(who, name, call, bytes(data))
-    return {"written": parse(WrittenReply, raw).written}
+    return {"written": await svc.toolbox.write_stdin(who, name, pid, bytes(data), close=close)}
 
 
 @router.post("/{pid}/signal", responses=error_docs())
 async def send_signal(name: str, pid: int, body: Signal, who: Tenant, svc: Svc) -> Any:
-    call = {"op": "proc_signal", "pid": pid, "signal": body.signal}
-    await svc.sandboxes.agent_call(who, name, call)
+    await svc.toolbox.signal_process(who, name, pid, body.signal)
     return {"pid": pid, "signal": body.signal}

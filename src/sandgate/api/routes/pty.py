@@ -18,7 +18,6 @@ from sandgate.api.deps import Services, presented_key, resolve_key, services, te
 from sandgate.api.errors import status_of
 from sandgate.api.routes.sandboxes import error_docs
 from sandgate.api.schemas import PtyToken, PtyTokenOut
-from sandgate.control.replies import OutputReply, PidReply, parse
 from sandgate.core.tokens import TokenError, sign, verify
 from sandgate.errors import AuthError, SandgateError
 from sandgate.store.base import TenantId
@@ -75,11 +74,7 @@ async def pty(ws: WebSocket, name: str) -> None:
         who = await _tenant_for(ws, svc, name)
         cols, rows = _size(ws, "cols", 80), _size(ws, "rows", 24)
         command = ws.query_params.get("command")
-        call: dict[str, Any] = {"op": "pty_open", "cols": cols, "rows": rows}
-        if command:
-            call["command"] = command
-        raw, _ = await svc.sandboxes.agent_call(who, name, call)
-        pid = parse(PidReply, raw).pid
+        pid = await svc.toolbox.open_terminal(who, name, cols=cols, rows=rows, command=command)
     except SandgateError as exc:
         status = status_of(exc) if status_of(exc) != 500 else 400
         await ws.send_denial_response(
@@ -96,9 +91,7 @@ async def pty(ws: WebSocket, name: str) -> None:
         log.info("pty.ended", extra={"sandbox": name, "pid": pid, "why": repr(group.exceptions[0])})
     finally:
         with contextlib.suppress(SandgateError):
-            await asyncio.shield(
-                svc.sandboxes.agent_call(who, name, {"op": "pty_close", "pid": pid})
-            )
+            await asyncio.shield(svc.toolbox.close_terminal(who, name, pid))
         with contextlib.suppress(Exception):
             await ws.close(1000)
 
@@ -106,14 +99,13 @@ async def pty(ws: WebSocket, name: str) -> None:
 async def _pump_output(ws: WebSocket, svc: Services, who: TenantId, name: str, pid: int) -> None:
     offset = 0
     while True:
-        call = {"op": "pty_read", "pid": pid, "offset": offset, "wait": READ_WAIT}
-        raw, payload = await svc.sandboxes.agent_call(who, name, call, seconds=READ_WAIT + 5)
-        reply = parse(OutputReply, raw)
+        page = await svc.toolbox.terminal_output(who, name, pid, offset, wait=READ_WAIT)
+        payload = b"".join(chunk.data for chunk in page.chunks)
         if payload:
             await ws.send_bytes(payload)
-        offset = max(offset + len(payload), reply.next_offset)
-        if reply.exited:
-            await ws.send_text(json.dumps({"type": "exit", "exit_code": reply.exit_code}))
+        offset = max(offset + len(payload), page.next_offset)
+        if page.exited:
+            await ws.send_text(json.dumps({"type": "exit", "exit_code": page.exit_code}))
             return
 
 
@@ -137,7 +129,7 @@ async def _pump_input(
             return
         data = message.get("bytes")
         if data:
-            await svc.sandboxes.agent_call(who, name, {"op": "pty_write", "pid": pid}, data)
+            await svc.toolbox.write_terminal(who, name, pid, data)
             continue
         text = message.get("text")
         if text:
@@ -153,5 +145,4 @@ async def _control(svc: Services, who: TenantId, name: str, pid: int, text: str)
     except (ValueError, TypeError, KeyError, AttributeError):
         return  # not a control message we know: ignore, as terminals ignore unknown sequences
     if 1 <= cols <= 1000 and 1 <= rows <= 1000:
-        call = {"op": "pty_resize", "pid": pid, "cols": cols, "rows": rows}
-        await svc.sandboxes.agent_call(who, name, call)
+        await svc.toolbox.resize_terminal(who, name, pid, cols=cols, rows=rows)

@@ -17,11 +17,9 @@ from sandgate.api.schemas import (
     SandboxList,
     SandboxOut,
 )
-from sandgate.control.replies import ExecReply, parse
 from sandgate.control.sandboxes import CreateRequest
 from sandgate.core import caps
-from sandgate.core.output import decode_output, split_output
-from sandgate.errors import InvalidRequestError, WorkerError
+from sandgate.errors import InvalidRequestError
 from sandgate.store.base import Sandbox, SandboxFilter, SandboxName, TenantId
 
 router = APIRouter(prefix="/api/v1", tags=["sandboxes"])
@@ -146,28 +144,17 @@ async def _execute(name: str, body: Execute, who: TenantId, svc: Services) -> di
     timeout = body.timeout if body.timeout is not None else svc.settings.default_exec_timeout
     if timeout > svc.settings.max_exec_timeout:
         raise InvalidRequestError(f"timeout is at most {svc.settings.max_exec_timeout:g} seconds")
-    call = {
-        "op": "exec",
-        "language": body.language,
-        "timeout": timeout,
-        "env": body.env,
-        "cwd": body.cwd,
-    }
-    # the program travels as the frame's payload: no JSON escaping, no header size limit
-    program = body.code.encode()
-    raw, payload = await svc.sandboxes.agent_call(who, name, call, program, seconds=timeout)
-    reply = parse(ExecReply, raw)
-    if reply.stdout_bytes > len(payload):
-        raise WorkerError("the sandbox sent a malformed exec answer")
-    out, err = split_output(payload, reply.stdout_bytes)
+    ran = await svc.toolbox.execute(
+        who, name, body.code, language=body.language, time_limit=timeout, env=body.env, cwd=body.cwd
+    )
     return {
-        "stdout": decode_output(out, reply.stdout_truncated),
-        "stderr": decode_output(err, reply.stderr_truncated),
-        "exit_code": reply.exit_code,
-        "duration_ms": reply.duration_ms,
-        "timed_out": reply.timed_out,
-        "stdout_truncated": reply.stdout_truncated,
-        "stderr_truncated": reply.stderr_truncated,
+        "stdout": ran.stdout,
+        "stderr": ran.stderr,
+        "exit_code": ran.exit_code,
+        "duration_ms": ran.duration_ms,
+        "timed_out": ran.timed_out,
+        "stdout_truncated": ran.stdout_truncated,
+        "stderr_truncated": ran.stderr_truncated,
     }
 
 

@@ -1,0 +1,332 @@
+"""The one seam between the control plane and a sandbox's agent.
+
+Every operation the API offers inside a running sandbox is a typed method here: exec; file
+upload, download, stat, list, mkdir, move, remove; processes (start, list, output, stdin,
+signal); terminals (open, read, write, resize, close). This is the only module that builds
+agent calls and reads their replies. Routes translate HTTP into these calls and back, and
+so will the E2B front-end later.
+
+Under each method: the tenant's running sandbox (`SandboxService.running`), then
+`WorkerRegistry.request` to its worker. That call goes through this instance's tunnel or,
+forwarded, through the instance that holds it; a caller cannot tell which. Errors come back
+as codes (`errors.WIRE_CODES`): a sandbox its worker no longer runs is `409 not_running`, a
+full disk `507`, a bad path `403`, and so on. Replies are untrusted: the agent runs beside
+tenant code, so every field is validated (`control.replies`) and a malformed one is a
+`WorkerError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sandgate.agent.frames import Header
+from sandgate.control.replies import (
+    EntriesReply,
+    Entry,
+    EntryReply,
+    ExecReply,
+    HandleReply,
+    OpenReadReply,
+    OutputReply,
+    PidReply,
+    Process,
+    ProcessesReply,
+    WrittenReply,
+    parse,
+)
+from sandgate.control.sandboxes import SandboxService
+from sandgate.control.workers import WorkerRegistry
+from sandgate.core.output import decode_output, split_output
+from sandgate.errors import NotFoundError, PayloadTooLargeError, SandgateError, WorkerError
+from sandgate.store.base import Sandbox, TenantId
+
+DEFAULT_CALL_SECONDS = 60.0
+RELAY_GRACE = 5.0  # the worker's relay may answer this long after the call's own time
+
+
+@dataclass(frozen=True)
+class ExecOutcome:
+    exit_code: int
+    duration_ms: float
+    timed_out: bool
+    stdout: str
+    stderr: str
+    stdout_truncated: bool
+    stderr_truncated: bool
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    stream: Literal["stdout", "stderr", "pty"]
+    data: bytes
+
+
+@dataclass(frozen=True)
+class OutputPage:
+    """One read of a process's (or terminal's) output at an offset."""
+
+    chunks: list[OutputChunk]
+    first_offset: int  # the oldest offset still kept: more than asked for was dropped
+    next_offset: int
+    exited: bool
+    exit_code: int | None
+
+
+@dataclass(frozen=True)
+class Download:
+    size: int
+    chunks: AsyncIterator[bytes]  # closes the sandbox's handle when done or dropped
+
+
+class Toolbox:
+    def __init__(self, sandboxes: SandboxService, workers: WorkerRegistry) -> None:
+        self.sandboxes = sandboxes
+        self.workers = workers
+
+    async def _call(
+        self,
+        tenant: TenantId,
+        name: str,
+        op: str,
+        fields: Mapping[str, Any] | None = None,
+        payload: bytes = b"",
+        *,
+        seconds: float = DEFAULT_CALL_SECONDS,
+    ) -> tuple[Header, bytes]:
+        """One agent call in the tenant's running sandbox; `seconds`: how long it may run."""
+        sandbox = await self.sandboxes.running(tenant, name)
+        relay = {
+            "sandbox": sandbox.name,
+            "call": {"op": op, **(fields or {})},
+            "timeout_s": seconds,
+        }
+        return await self.workers.request(
+            sandbox.worker, "agent", relay, payload, wait=seconds + RELAY_GRACE
+        )
+
+    # -- exec ------------------------------------------------------------------------------
+    async def execute(
+        self,
+        tenant: TenantId,
+        name: str,
+        code: str,
+        *,
+        language: str = "bash",
+        time_limit: float,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> ExecOutcome:
+        """Run a program to its end; the program travels as the frame's payload (no JSON
+        escaping, no header size limit), stdout then stderr come back as the answer's."""
+        fields = {"language": language, "timeout": time_limit, "env": dict(env or {}), "cwd": cwd}
+        raw, payload = await self._call(
+            tenant, name, "exec", fields, code.encode(), seconds=time_limit
+        )
+        reply = parse(ExecReply, raw)
+        if reply.stdout_bytes > len(payload):
+            raise WorkerError("the sandbox sent a malformed exec answer")
+        out, err = split_output(payload, reply.stdout_bytes)
+        return ExecOutcome(
+            exit_code=reply.exit_code,
+            duration_ms=reply.duration_ms,
+            timed_out=reply.timed_out,
+            stdout=decode_output(out, reply.stdout_truncated),
+            stderr=decode_output(err, reply.stderr_truncated),
+            stdout_truncated=reply.stdout_truncated,
+            stderr_truncated=reply.stderr_truncated,
+        )
+
+    # -- files -----------------------------------------------------------------------------
+    async def upload(
+        self,
+        tenant: TenantId,
+        name: str,
+        path: str,
+        data: AsyncIterable[bytes],
+        *,
+        chunk_bytes: int,
+        max_bytes: int,
+        declared_size: int | None = None,
+    ) -> Entry:
+        """Write a file from a stream, `chunk_bytes` per call, each acknowledged before the
+        next, so no hop holds the whole file. It appears at `path` only when complete; on
+        any failure the partial file is discarded."""
+        sandbox = await self.sandboxes.running(tenant, name)
+        _refuse_past_the_quota(sandbox, declared_size)
+        raw, _ = await self._call(tenant, name, "open_write", {"path": path})
+        handle = parse(HandleReply, raw).handle
+        committed = False
+        try:
+            total = 0
+            pending = bytearray()
+            async for piece in data:
+                total += len(piece)
+                if total > max_bytes:
+                    raise PayloadTooLargeError(f"upload over {max_bytes} bytes; split the file")
+                pending += piece
+                while len(pending) >= chunk_bytes:
+                    await self._write(tenant, name, handle, bytes(pending[:chunk_bytes]))
+                    del pending[:chunk_bytes]
+            if pending:
+                await self._write(tenant, name, handle, bytes(pending))
+            raw, _ = await self._call(
+                tenant, name, "close_write", {"handle": handle, "commit": True}
+            )
+            committed = True
+            return parse(EntryReply, raw).entry
+        finally:
+            if not committed:
+                await asyncio.shield(self._discard(tenant, name, handle))
+
+    async def _write(self, tenant: TenantId, name: str, handle: int | str, data: bytes) -> None:
+        await self._call(tenant, name, "write", {"handle": handle}, data)
+
+    async def _discard(self, tenant: TenantId, name: str, handle: int | str) -> None:
+        with contextlib.suppress(SandgateError):  # the agent closes idle handles itself
+            await self._call(tenant, name, "close_write", {"handle": handle, "commit": False})
+
+    async def download(
+        self, tenant: TenantId, name: str, path: str, *, chunk_bytes: int
+    ) -> Download:
+        """Open a file for reading (its errors come before any byte) and stream it."""
+        raw, _ = await self._call(tenant, name, "open_read", {"path": path})
+        opened = parse(OpenReadReply, raw)
+        handle, size = opened.handle, opened.size
+
+        async def chunks() -> AsyncIterator[bytes]:
+            sent = 0
+            try:
+                while sent < size:
+                    fields = {"handle": handle, "length": min(chunk_bytes, size - sent)}
+                    _, data = await self._call(tenant, name, "read", fields)
+                    if not data or len(data) > size - sent:
+                        raise WorkerError(f"{path} changed size while it was being downloaded")
+                    sent += len(data)
+                    yield data
+            finally:
+                with contextlib.suppress(SandgateError):
+                    await asyncio.shield(self._call(tenant, name, "close_read", {"handle": handle}))
+
+        return Download(size, chunks())
+
+    async def stat(self, tenant: TenantId, name: str, path: str) -> Entry:
+        raw, _ = await self._call(tenant, name, "stat", {"path": path})
+        return parse(EntryReply, raw).entry
+
+    async def list_dir(self, tenant: TenantId, name: str, path: str) -> list[Entry]:
+        raw, _ = await self._call(tenant, name, "list", {"path": path})
+        return parse(EntriesReply, raw).entries
+
+    async def mkdir(self, tenant: TenantId, name: str, path: str, *, parents: bool) -> Entry:
+        raw, _ = await self._call(tenant, name, "mkdir", {"path": path, "parents": parents})
+        return parse(EntryReply, raw).entry
+
+    async def move(
+        self, tenant: TenantId, name: str, source: str, destination: str, *, overwrite: bool
+    ) -> Entry:
+        fields = {"src": source, "dst": destination, "overwrite": overwrite}
+        raw, _ = await self._call(tenant, name, "move", fields)
+        return parse(EntryReply, raw).entry
+
+    async def remove(self, tenant: TenantId, name: str, path: str, *, recursive: bool) -> None:
+        await self._call(tenant, name, "remove", {"path": path, "recursive": recursive})
+
+    # -- processes -------------------------------------------------------------------------
+    async def start_process(
+        self,
+        tenant: TenantId,
+        name: str,
+        command: str,
+        *,
+        cwd: str | None,
+        env: Mapping[str, str],
+        time_limit: float | None,
+    ) -> int:
+        fields = {"command": command, "cwd": cwd, "env": dict(env), "timeout": time_limit}
+        raw, _ = await self._call(tenant, name, "proc_start", fields)
+        return parse(PidReply, raw).pid
+
+    async def processes(self, tenant: TenantId, name: str) -> list[Process]:
+        raw, _ = await self._call(tenant, name, "proc_list")
+        return parse(ProcessesReply, raw).processes
+
+    async def process(self, tenant: TenantId, name: str, pid: int) -> Process:
+        for process in await self.processes(tenant, name):
+            if process.pid == pid:
+                return process
+        raise NotFoundError(f"no process {pid} in sandbox {name}")
+
+    async def process_output(
+        self, tenant: TenantId, name: str, pid: int, offset: int, *, wait: float
+    ) -> OutputPage:
+        """Output from `offset` on; waits up to `wait` seconds for some if there is none."""
+        return await self._output(tenant, name, "proc_read", pid, offset, wait)
+
+    async def write_stdin(
+        self, tenant: TenantId, name: str, pid: int, data: bytes, *, close: bool
+    ) -> int:
+        fields = {"pid": pid, "close": close}
+        raw, _ = await self._call(tenant, name, "proc_stdin", fields, data)
+        return parse(WrittenReply, raw).written
+
+    async def signal_process(self, tenant: TenantId, name: str, pid: int, signal: str) -> None:
+        await self._call(tenant, name, "proc_signal", {"pid": pid, "signal": signal})
+
+    # -- terminals -------------------------------------------------------------------------
+    async def open_terminal(
+        self, tenant: TenantId, name: str, *, cols: int, rows: int, command: str | None
+    ) -> int:
+        fields: dict[str, Any] = {"cols": cols, "rows": rows}
+        if command:
+            fields["command"] = command
+        raw, _ = await self._call(tenant, name, "pty_open", fields)
+        return parse(PidReply, raw).pid
+
+    async def terminal_output(
+        self, tenant: TenantId, name: str, pid: int, offset: int, *, wait: float
+    ) -> OutputPage:
+        return await self._output(tenant, name, "pty_read", pid, offset, wait)
+
+    async def write_terminal(self, tenant: TenantId, name: str, pid: int, data: bytes) -> None:
+        await self._call(tenant, name, "pty_write", {"pid": pid}, data)
+
+    async def resize_terminal(
+        self, tenant: TenantId, name: str, pid: int, *, cols: int, rows: int
+    ) -> None:
+        await self._call(tenant, name, "pty_resize", {"pid": pid, "cols": cols, "rows": rows})
+
+    async def close_terminal(self, tenant: TenantId, name: str, pid: int) -> None:
+        await self._call(tenant, name, "pty_close", {"pid": pid})
+
+    async def _output(
+        self, tenant: TenantId, name: str, op: str, pid: int, offset: int, wait: float
+    ) -> OutputPage:
+        fields = {"pid": pid, "offset": offset, "wait": wait}
+        raw, payload = await self._call(tenant, name, op, fields, seconds=wait + RELAY_GRACE)
+        reply = parse(OutputReply, raw)
+        chunks, cursor = [], 0
+        for stream, length in reply.chunks:
+            chunks.append(OutputChunk(stream, payload[cursor : cursor + length]))
+            cursor += length
+        if cursor > len(payload):
+            raise WorkerError("the sandbox sent a malformed output answer")
+        return OutputPage(
+            chunks, reply.first_offset, reply.next_offset, reply.exited, reply.exit_code
+        )
+
+
+def _refuse_past_the_quota(sandbox: Sandbox, declared: int | None) -> None:
+    """An upload whose declared size cannot fit the sandbox's disk quota is refused before
+    a byte is written (one that only turns out too large answers 507 when the disk fills)."""
+    disk_mb = sandbox.resources.get("disk_mb")
+    if isinstance(disk_mb, int) and declared is not None and declared > disk_mb << 20:
+        raise PayloadTooLargeError(
+            f"an upload of {declared} bytes cannot fit this sandbox's disk quota of "
+            f"{disk_mb} MiB (resources.disk_mb, /workspace and /tmp together); create the "
+            "sandbox with a larger disk_mb",
+            code="disk_quota_exceeded",
+        )
