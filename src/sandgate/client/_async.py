@@ -1,4 +1,10 @@
-"""The asyncio client: `AsyncSandgate`, the same shape as `Sandgate` with `await`.
+# mypy: always-true=ASYNC
+"""The asyncio client, `AsyncSandgate`, and the source of the blocking one.
+
+`_sync.py` (`Sandgate`) is generated from this file by `scripts/async_to_sync.py`: `async` and
+`await` go, the names map (`AsyncSandbox` -> `Sandbox`, `aclose` -> `close`, ...), worker-thread
+calls become plain calls, and an `if ASYNC: ... else: ...` block keeps its `else` there. So
+change the SDK here, then run the script; `scripts/check` fails when `_sync.py` is stale.
 
 Local file reads and writes run in worker threads (anyio), so a large upload or download
 never blocks the event loop.
@@ -40,8 +46,12 @@ from sandgate.client._base import (
     EXEC_JOB_FIRST_POLL,
     EXEC_JOB_POLL,
     KEEPALIVE_EXPIRY,
+    NO_FOLLOW_IDLE,
+    NO_FOLLOW_MAX,
     NOT_SENT,
     STDIN_CHUNK_BYTES,
+    STREAM_IDLE_TIMEOUT,
+    WAIT_POLL_MAX,
     Progress,
     RetryPolicy,
     Safety,
@@ -51,27 +61,20 @@ from sandgate.client._base import (
     auth_headers,
     check_poll,
     connection_error,
+    create_body,
     error_from_response,
     event_offset,
     exec_job_answer,
     exec_job_body,
     exec_job_timeout,
-    is_local_path,
+    list_params,
     make_timeout,
     output_event,
     partial_path,
     resolve_api_key,
     resolve_url,
+    signal_name,
     ws_url,
-)
-from sandgate.client._sync import (
-    NO_FOLLOW_IDLE,
-    NO_FOLLOW_MAX,
-    STREAM_IDLE_TIMEOUT,
-    WAIT_POLL_MAX,
-    _create_body,
-    _list_params,
-    _signal_name,
 )
 from sandgate.client.errors import APIConnectionError, SandgateError
 from sandgate.client.models import (
@@ -84,22 +87,32 @@ from sandgate.client.models import (
     SandboxInfo,
 )
 
-
-async def _chunks(upload: Upload, progress: Progress | None) -> AsyncIterator[bytes]:
-    pieces = upload.chunks(progress)
-    if upload.in_memory:
-        for piece in pieces:
-            yield piece
-        return
-    try:
-        while (read := await anyio.to_thread.run_sync(_next, pieces)) is not None:
-            yield read
-    finally:
-        pieces.close()
+ASYNC = True  # `if ASYNC: <asyncio> else: <blocking>`: scripts/async_to_sync.py keeps the else
 
 
-def _next(pieces: Iterator[bytes]) -> bytes | None:
-    return next(pieces, None)
+if ASYNC:
+
+    async def _chunks(upload: Upload, progress: Progress | None) -> AsyncIterator[bytes]:
+        """An upload's body; reads of a local file or file object run in a worker thread."""
+        pieces = upload.chunks(progress)
+        if upload.in_memory:
+            for piece in pieces:
+                yield piece
+            return
+        try:
+            while (read := await anyio.to_thread.run_sync(_next, pieces)) is not None:
+                yield read
+        finally:
+            pieces.close()
+
+    def _next(pieces: Iterator[bytes]) -> bytes | None:
+        return next(pieces, None)
+
+else:
+
+    def _chunks(upload: Upload, progress: Progress | None) -> AsyncIterator[bytes]:
+        """An upload's body, read in the caller's thread."""
+        return upload.chunks(progress)
 
 
 class _AsyncApi:
@@ -138,7 +151,8 @@ class _AsyncApi:
         stream: bool = False,
         gone_ok: bool = False,
     ) -> httpx.Response:
-        """As `_Api.request` of the sync client."""
+        """Send with retries; an error answer raises. `gone_ok`: a 404 after a retry of a
+        request that may have been carried out already counts as done (a repeated delete)."""
         attempt = 0
         maybe_done = False
         all_headers = {**(upload.headers() if upload else {}), **(headers or {})}
@@ -198,7 +212,15 @@ class _AsyncApi:
 
 
 class AsyncSandgate:
-    """The asyncio twin of `Sandgate`: same arguments, defaults and retry rules."""
+    """A sandgate API client.
+
+    `url` defaults to `$SANDGATE_URL`, then `./.sandgate/url`, then http://127.0.0.1:8080;
+    `api_key` to `$SANDGATE_API_KEY`, then the contents of `./.sandgate/api-key` if that file
+    exists. Connection errors and 429/503 answers are retried up to `max_retries` times with
+    jittered backoff honouring `Retry-After`; calls that must not run twice (execute, process
+    start, stdin, signals) are retried only when the request never left (connect errors) or
+    was refused unprocessed (429).
+    """
 
     def __init__(
         self,
@@ -216,6 +238,7 @@ class AsyncSandgate:
         return self._api.url
 
     async def get_exec_job(self, job_id: str) -> ExecJob:
+        """An exec job by id, whatever its sandbox (see `Sandbox.submit_exec_job`)."""
         return await _AsyncExecJobs(self._api).get(job_id)
 
     async def wait_exec_job(
@@ -225,7 +248,8 @@ class AsyncSandgate:
         timeout: float | None = None,  # noqa: ASYNC109 (sync twin's shape)
         poll: float = EXEC_JOB_POLL,
     ) -> ExecJob:
-        """As `Sandgate.wait_exec_job`."""
+        """Poll an exec job until it succeeded or failed; `ExecJobTimeoutError` after `timeout`
+        seconds (None: until it ends, which the server's own job timeout bounds)."""
         return await _AsyncExecJobs(self._api).wait(job_id, timeout=timeout, poll=poll)
 
     async def aclose(self) -> None:
@@ -244,7 +268,7 @@ class AsyncSandgate:
 
 
 class _AsyncExecJobs:
-    """As `_ExecJobs` of the sync client, with `await`."""
+    """The exec-job calls, shared by `AsyncSandgate` and `AsyncSandbox`."""
 
     def __init__(self, api: _AsyncApi) -> None:
         self._api = api
@@ -325,9 +349,10 @@ class AsyncSandboxes:
         resources: Mapping[str, float] | None = None,
         idempotency_key: str | None = None,
     ) -> AsyncSandbox:
-        """As `Sandboxes.create`: one Idempotency-Key for every retry, so one sandbox."""
+        """Create a sandbox and wait until it runs. Every retry of this call carries one
+        Idempotency-Key (`idempotency_key`, or a fresh uuid4), so it makes one sandbox."""
         key = idempotency_key or str(uuid.uuid4())
-        body = _create_body(template, timeout, metadata, env, network, resources)
+        body = create_body(template, timeout, metadata, env, network, resources)
         answer = await self._api.json(
             "POST",
             "/api/v1/sandboxes",
@@ -345,6 +370,7 @@ class AsyncSandboxes:
         metadata: Mapping[str, str] | None = None,
         page_size: int = 100,
     ) -> builtins.list[AsyncSandbox]:
+        """Every sandbox matching (all pages), sorted by name; deleted ones only if asked."""
         return [s async for s in self.iter(state=state, metadata=metadata, page_size=page_size)]
 
     async def iter(
@@ -354,7 +380,8 @@ class AsyncSandboxes:
         metadata: Mapping[str, str] | None = None,
         page_size: int = 100,
     ) -> AsyncIterator[AsyncSandbox]:
-        params = _list_params(state, metadata, page_size)
+        """Like `list`, fetching one page at a time as the iteration goes."""
+        params = list_params(state, metadata, page_size)
         while True:
             page = await self._api.json(
                 "GET", "/api/v1/sandboxes", safety=Safety.IDEMPOTENT, params=params
@@ -377,6 +404,8 @@ class AsyncSandboxes:
 
 @dataclass(kw_only=True, eq=False, repr=False)
 class AsyncSandbox(SandboxInfo):
+    """A sandbox: its description (as of the last answer) and what can be done in it."""
+
     _api: _AsyncApi
 
     def __repr__(self) -> str:
@@ -403,6 +432,7 @@ class AsyncSandbox(SandboxInfo):
         return self
 
     async def set_timeout(self, seconds: float) -> AsyncSandbox:
+        """Let it live `seconds` more from now."""
         body = {"timeout": seconds}
         answer = await self._api.json(
             "POST", f"{self._path}/timeout", safety=Safety.IDEMPOTENT, json=body
@@ -422,6 +452,7 @@ class AsyncSandbox(SandboxInfo):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
     ) -> ExecResult:
+        """Run `code` (bash, sh or python) to completion; `timeout` seconds (server default 30)."""
         body: dict[str, Any] = {"language": language, "code": code}
         if timeout is not None:
             body["timeout"] = timeout
@@ -449,15 +480,23 @@ class AsyncSandbox(SandboxInfo):
         cwd: str | None = None,
         idempotency_key: str | None = None,
     ) -> ExecJob:
-        """As `Sandbox.submit_exec_job`: one Idempotency-Key for every retry, so one run."""
+        """Run `command` (bash) once, in the background; the job comes back `queued`.
+
+        Every retry of this call carries one Idempotency-Key (`idempotency_key`, or a fresh
+        uuid4), so a retry after a lost answer gets the first job: the command runs once. The
+        same key again with another command, timeout, env or cwd: `InvalidRequestError`
+        (`idempotency_key_reused`). `timeout`: seconds it may run (server default 30)."""
         return await _AsyncExecJobs(self._api).submit(
             self.name, command, timeout=timeout, env=env, cwd=cwd, idempotency_key=idempotency_key
         )
 
     async def get_exec_job(self, job_id: str) -> ExecJob:
+        """An exec job by id (as `AsyncSandgate.get_exec_job`)."""
         return await _AsyncExecJobs(self._api).get(job_id)
 
     async def list_exec_jobs(self, limit: int = 100) -> builtins.list[ExecJob]:
+        """This sandbox's exec jobs, newest first, at most `limit` (1-1000), without their
+        output (`stdout`, `stderr` empty): `get_exec_job` reads one with it."""
         return await _AsyncExecJobs(self._api).list(self.name, limit)
 
     async def wait_exec_job(
@@ -467,18 +506,31 @@ class AsyncSandbox(SandboxInfo):
         timeout: float | None = None,  # noqa: ASYNC109 (sync twin's shape)
         poll: float = EXEC_JOB_POLL,
     ) -> ExecJob:
+        """As `AsyncSandgate.wait_exec_job`: poll until it succeeded or failed."""
         return await _AsyncExecJobs(self._api).wait(job_id, timeout=timeout, poll=poll)
 
     async def pty_token(self, ttl: float | None = None) -> PtyToken:
+        """A short-lived token that opens a terminal on this sandbox (`?token=`), for browsers."""
         body = {"ttl": ttl} if ttl is not None else None
         answer = await self._api.json(
             "POST", f"{self._path}/toolbox/pty-token", safety=Safety.IDEMPOTENT, json=body
         )
         return PtyToken.from_json(answer)
 
-    def pty(self, cols: int = 80, rows: int = 24, command: str | None = None) -> _TerminalOpener:
-        """`async with sandbox.pty() as term:` (or `term = await sandbox.pty()`)."""
-        return _TerminalOpener(lambda: self._open_pty(cols, rows, command))
+    if ASYNC:
+
+        def pty(
+            self, cols: int = 80, rows: int = 24, command: str | None = None
+        ) -> _TerminalOpener:
+            """Open a terminal (a login bash unless `command`): `async with sandbox.pty() as
+            term:`, or `term = await sandbox.pty()`."""
+            return _TerminalOpener(lambda: self._open_pty(cols, rows, command))
+
+    else:
+
+        def pty(self, cols: int = 80, rows: int = 24, command: str | None = None) -> AsyncTerminal:
+            """Open a terminal (a login bash unless `command`); use it as a context manager."""
+            return self._open_pty(cols, rows, command)
 
     async def _open_pty(self, cols: int, rows: int, command: str | None) -> AsyncTerminal:
         params = {"cols": cols, "rows": rows, "command": command}
@@ -488,13 +540,15 @@ class AsyncSandbox(SandboxInfo):
         attempt = 0
         while True:
             try:
+                # entered as websockets >= 17 wants (the blocking flavour warns about a bare
+                # connection); the terminal closes it
                 ws = await connect(
                     url,
                     additional_headers=headers,
                     open_timeout=self._api.timeout.connect,
                     compression=None,
                     max_size=None,
-                )
+                ).__aenter__()
                 return AsyncTerminal(ws)
             except InvalidStatus as exc:
                 answer = exc.response
@@ -517,6 +571,8 @@ class AsyncSandbox(SandboxInfo):
 
 
 class AsyncFiles:
+    """`/toolbox/files`: paths are relative to /workspace unless absolute (/workspace, /tmp)."""
+
     def __init__(self, api: _AsyncApi, sandbox: str) -> None:
         self._api = api
         self._path = f"/api/v1/sandboxes/{sandbox}/toolbox/files"
@@ -524,7 +580,10 @@ class AsyncFiles:
     async def write(
         self, path: str, data: UploadData, *, progress: Progress | None = None
     ) -> FileEntry:
-        """As `Files.write`; local reads happen in a worker thread."""
+        """Write a file (parents created, replaced atomically), streamed in 1 MiB chunks.
+
+        `data`: bytes, a str (written as UTF-8), a local `os.PathLike` path, or a binary file
+        object read from its current position. Nothing is read whole into memory."""
         upload = await anyio.to_thread.run_sync(Upload, data)
         response = await self._api.request(
             "PUT",
@@ -538,6 +597,7 @@ class AsyncFiles:
         return FileEntry.from_json(response.json())
 
     async def read(self, path: str) -> bytes:
+        """A whole file in memory; use `download` for large ones."""
         response = await self._api.request(
             "GET", self._path, safety=Safety.IDEMPOTENT, params={"path": path}
         )
@@ -550,10 +610,11 @@ class AsyncFiles:
         *,
         progress: Progress | None = None,
     ) -> int:
-        if not is_local_path(dest):
-            assert not isinstance(dest, str | os.PathLike)
+        """Stream a file to a local path (written beside it, then renamed into place) or into
+        a binary file object. Returns the number of bytes."""
+        if not isinstance(dest, str | os.PathLike):
             return await self._download_to(path, dest, progress, restartable=False)
-        target = Path(dest)  # type: ignore[arg-type]
+        target = Path(dest)
         partial = partial_path(target)
         try:
             handle = await anyio.to_thread.run_sync(partial.open, "wb")
@@ -646,6 +707,8 @@ def _rewind(handle: IO[bytes]) -> None:
 
 
 class AsyncProcesses:
+    """`/toolbox/processes`: background processes whose output can be followed live."""
+
     def __init__(self, api: _AsyncApi, sandbox: str) -> None:
         self._api = api
         self._path = f"/api/v1/sandboxes/{sandbox}/toolbox/processes"
@@ -661,6 +724,7 @@ class AsyncProcesses:
         env: Mapping[str, str] | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 (the server kills the process after it)
     ) -> AsyncProcess:
+        """Start `command` under `bash -c` in its own process group; it runs in the background."""
         body: dict[str, Any] = {"command": command}
         if cwd is not None:
             body["cwd"] = cwd
@@ -682,6 +746,8 @@ class AsyncProcesses:
 
 @dataclass(kw_only=True, eq=False, repr=False)
 class AsyncProcess(ProcessInfo):
+    """A background process. `dropped_bytes` counts output lost to the replay buffer."""
+
     _api: _AsyncApi
     _base: str
     dropped_bytes: int = 0
@@ -700,7 +766,11 @@ class AsyncProcess(ProcessInfo):
         return self
 
     async def output(self, offset: int = 0, *, follow: bool = True) -> AsyncIterator[OutputEvent]:
-        """As `Process.output`. Stop early with `contextlib.aclosing(process.output())`."""
+        """Output events from `offset` (0: from the start the buffer still holds) until the
+        process exits; then `exit_code` is set. A broken connection is resumed at the last
+        offset. `follow=False` gives what the process wrote so far and stops (the server's
+        `follow=false`), with `exit_code` set if it has exited. To stop early, close it:
+        `with contextlib.aclosing(process.output()) as events:`."""
         position = offset
         failures = 0
         policy = self._api.policy
@@ -755,6 +825,7 @@ class AsyncProcess(ProcessInfo):
             await anyio.sleep(policy.delay(failures - 1))
 
     async def send_stdin(self, data: bytes | str) -> int:
+        """Write to the process's stdin (in 1 MiB requests); returns the bytes written."""
         raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
         written = 0
         for start in range(0, len(raw), STDIN_CHUNK_BYTES):
@@ -775,12 +846,14 @@ class AsyncProcess(ProcessInfo):
         return int(answer["written"])
 
     async def kill(self, signal: str | int = "SIGTERM") -> None:
-        name = _signal_name(signal)
+        """Send a signal (a name such as "SIGTERM", "KILL", or a number) to its process group."""
+        name = signal_name(signal)
         await self._api.request(
             "POST", f"{self._path}/signal", safety=Safety.UNSAFE, json={"signal": name}
         )
 
     async def wait(self, timeout: float | None = None) -> int:  # noqa: ASYNC109 (sync twin's shape)
+        """Wait until it exits; its exit code. `TimeoutError` after `timeout` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.02
         while self.exit_code is None or self.state != "exited":
@@ -796,7 +869,7 @@ class AsyncProcess(ProcessInfo):
 
 
 class AsyncTerminal:
-    """As `Terminal`, with `await`."""
+    """A PTY in the sandbox over a WebSocket: bytes both ways, resizable."""
 
     def __init__(self, ws: ClientConnection) -> None:
         self._ws = ws
@@ -804,6 +877,7 @@ class AsyncTerminal:
         self._ended = False
 
     async def send(self, data: bytes | str) -> None:
+        """Type into the terminal (Ctrl-C is the byte 0x03)."""
         raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
         try:
             await self._ws.send(raw)
@@ -811,10 +885,15 @@ class AsyncTerminal:
             raise APIConnectionError("the terminal is closed", code="closed") from exc
 
     async def recv(self, timeout: float | None = None) -> bytes | None:  # noqa: ASYNC109 (sync twin's shape)
+        """The next terminal output; None once the shell exited (see `exit_code`).
+        `TimeoutError` if nothing came within `timeout` seconds."""
         while not self._ended:
             try:
-                async with asyncio.timeout(timeout):
-                    message = await self._ws.recv()
+                if ASYNC:
+                    async with asyncio.timeout(timeout):
+                        message = await self._ws.recv()
+                else:
+                    message = self._ws.recv(timeout)
             except ConnectionClosed:
                 self._ended = True
                 break
@@ -839,6 +918,7 @@ class AsyncTerminal:
             raise APIConnectionError("the terminal is closed", code="closed") from exc
 
     async def aclose(self) -> None:
+        """Hang up: the shell gets SIGHUP."""
         await self._ws.close()
 
     async def __aenter__(self) -> AsyncTerminal:
@@ -853,25 +933,27 @@ class AsyncTerminal:
         await self.aclose()
 
 
-class _TerminalOpener:
-    """What `AsyncSandbox.pty()` returns: await it, or use it with `async with`."""
+if ASYNC:  # the blocking `pty()` returns its `Terminal` open
 
-    def __init__(self, open_: Callable[[], Awaitable[AsyncTerminal]]) -> None:
-        self._open = open_
-        self._terminal: AsyncTerminal | None = None
+    class _TerminalOpener:
+        """What `AsyncSandbox.pty()` returns: await it, or use it with `async with`."""
 
-    def __await__(self) -> Generator[Any, None, AsyncTerminal]:
-        return self._open().__await__()
+        def __init__(self, open_: Callable[[], Awaitable[AsyncTerminal]]) -> None:
+            self._open = open_
+            self._terminal: AsyncTerminal | None = None
 
-    async def __aenter__(self) -> AsyncTerminal:
-        self._terminal = await self._open()
-        return self._terminal
+        def __await__(self) -> Generator[Any, None, AsyncTerminal]:
+            return self._open().__await__()
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._terminal is not None:
-            await self._terminal.aclose()
+        async def __aenter__(self) -> AsyncTerminal:
+            self._terminal = await self._open()
+            return self._terminal
+
+        async def __aexit__(
+            self,
+            exc_type: type[BaseException] | None,
+            exc: BaseException | None,
+            tb: TracebackType | None,
+        ) -> None:
+            if self._terminal is not None:
+                await self._terminal.aclose()

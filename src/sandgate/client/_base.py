@@ -1,6 +1,9 @@
-"""What the sync and async clients share: defaults, the retry rule, errors, SSE, upload sources.
+"""What the sync and async clients share: defaults, the retry rule, errors, request bodies,
+SSE, upload sources.
 
 Nothing here does network IO, so both clients (and plain-bytes tests) use the same decisions.
+Neither client imports the other: `_async.py` is the source, `_sync.py` is generated from it
+(`scripts/async_to_sync.py`), and what both need that is not IO lives here.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ import io
 import json
 import os
 import random
+import signal as signals
 import stat
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -43,6 +47,10 @@ DEFAULT_EXEC_TIMEOUT = 30.0  # the server's default for `execute` without a time
 KEEPALIVE_EXPIRY = 4.0  # below uvicorn's 5 s keep-alive, so a pooled socket is never stale
 EXEC_JOB_POLL = 0.5  # `wait_exec_job`: the longest pause between two looks at the job
 EXEC_JOB_FIRST_POLL = 0.05  # ... and the first one, doubling up to `poll`
+STREAM_IDLE_TIMEOUT = 60.0  # a followed stream silent this long is reopened at its offset
+NO_FOLLOW_IDLE = 1.0  # `output(follow=False)` stops after this long without output
+NO_FOLLOW_MAX = 5.0  # ... or after this long in all, for a process that never pauses
+WAIT_POLL_MAX = 0.5  # `Process.wait`: the longest pause between two looks at the process
 
 Progress: TypeAlias = Callable[[int, int | None], None]
 """Called as bytes move: (bytes so far, total bytes or None when unknown)."""
@@ -198,6 +206,53 @@ def connection_error(exc: Exception, url: str) -> APIConnectionError:
         )
     detail = str(exc) or type(exc).__name__
     return APIConnectionError(f"cannot reach {where}: {detail}", code="connection_error")
+
+
+# ------------------------------------------------------------------------------ request bodies
+
+
+def create_body(
+    template: str | None,
+    timeout: float | None,
+    metadata: Mapping[str, str] | None,
+    env: Mapping[str, str] | None,
+    network: bool | None,
+    resources: Mapping[str, float] | None,
+) -> dict[str, Any]:
+    """The JSON body of a sandbox create: only what the caller gave."""
+    body: dict[str, Any] = {}
+    if template is not None:
+        body["template"] = template
+    if timeout is not None:
+        body["timeout"] = timeout
+    if metadata:
+        body["metadata"] = dict(metadata)
+    if env:
+        body["env"] = dict(env)
+    if network is not None:
+        body["network"] = network
+    if resources:
+        body["resources"] = dict(resources)
+    return body
+
+
+def list_params(
+    state: str | Sequence[str] | None, metadata: Mapping[str, str] | None, limit: int
+) -> dict[str, Any]:
+    """The query of a sandbox list: `state` as a comma list, `metadata.<key>=<value>`."""
+    params: dict[str, Any] = {"limit": limit}
+    if state:
+        params["state"] = state if isinstance(state, str) else ",".join(state)
+    for key, value in (metadata or {}).items():
+        params[f"metadata.{key}"] = value
+    return params
+
+
+def signal_name(signal: str | int) -> str:
+    """A signal as the API takes it: a number becomes its name (15 -> "SIGTERM")."""
+    if isinstance(signal, int):
+        return signals.Signals(signal).name
+    return signal
 
 
 # ------------------------------------------------------------------------------ exec jobs
@@ -377,10 +432,6 @@ class Upload:
                 self._file.seek(self._start)
             while piece := self._file.read(CHUNK_BYTES):
                 yield piece
-
-
-def is_local_path(dest: Any) -> bool:
-    return isinstance(dest, str | os.PathLike)
 
 
 def partial_path(target: Path) -> Path:
