@@ -6,9 +6,9 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from sandgate.agent.frames import MAX_PAYLOAD_BYTES, FrameError, Header, decode
@@ -26,6 +26,14 @@ def tunnel_url(server_url: str) -> str:
     if base.startswith("http://"):
         return "ws://" + base.removeprefix("http://") + "/tunnel"
     return base + "/tunnel"
+
+
+class Link(Protocol):
+    """What a session needs of its link: a websockets ClientConnection, or an in-memory
+    pair in fast tests (`sandgate.tunnel.memory`)."""
+
+    async def send(self, message: bytes) -> None: ...
+    async def recv(self) -> bytes | str: ...
 
 
 class TunnelClient:
@@ -68,7 +76,7 @@ class TunnelClient:
                     compression=None,
                 ) as ws:
                     delay = self._reconnect_min
-                    await self._session(ws)
+                    await self.serve_link(ws)
                 log.warning("tunnel.lost", extra={"url": self.url})
             except InvalidStatus as exc:
                 status = exc.response.status_code
@@ -86,7 +94,8 @@ class TunnelClient:
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, self._reconnect_max)
 
-    async def _session(self, ws: ClientConnection) -> None:
+    async def serve_link(self, ws: Link) -> None:
+        """One session on a dialed link: hello, welcome, then serve until it closes."""
         async def send(frame: bytes) -> None:
             await ws.send(frame)
 

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocketDisconnect
 from uvicorn.protocols.utils import ClientDisconnected
 
 from sandgate.agent.frames import FrameError, Header, decode, encode
@@ -74,8 +74,19 @@ def parse_hello(hello: Header) -> tuple[str, int, dict[str, Any], list[str]] | N
     return name, capacity, features, sandboxes
 
 
+class ServerLink(Protocol):
+    """What a tunnel needs of the server's end of its link: a starlette WebSocket, or the
+    in-memory pair of fast tests (`sandgate.tunnel.memory`)."""
+
+    async def accept(self) -> None: ...
+    async def receive_bytes(self) -> bytes: ...
+    async def receive(self) -> Any: ...
+    async def send_bytes(self, data: bytes) -> None: ...
+    async def close(self, code: int = 1000) -> None: ...
+
+
 async def serve_tunnel(
-    ws: WebSocket, events: TunnelEvents, *, token_hash: str, hello_timeout: float = 10.0
+    ws: ServerLink, events: TunnelEvents, *, token_hash: str, hello_timeout: float = 10.0
 ) -> None:
     """Run one worker's tunnel until it closes. The caller has authenticated the token."""
     await ws.accept()
@@ -163,7 +174,7 @@ async def serve_tunnel(
         await asyncio.shield(events.detached(session))
 
 
-async def _close(ws: WebSocket, code: int) -> None:
+async def _close(ws: ServerLink, code: int) -> None:
     try:
         await ws.close(code)
     except Exception:

@@ -191,16 +191,39 @@ async def run_worker(settings: WorkerSettings) -> None:
         disk_quota=bool(features.get("disk_quota")),
     )
     log.info("worker.ready", extra={"worker": settings.name, "features": features})
+    for fault in sorted(settings.faults):
+        log.critical("fault.active", extra={"fault": fault, "does": FAULTS[fault]})
+    service, client = assemble(settings, runtime, features)
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    assert main_task is not None
 
+    def stop() -> None:
+        # once: more signals must not cut the teardown short (the parent-death signal comes
+        # again each time the worker passes to another thread of a dying multi-threaded parent)
+        if not main_task.cancelling():
+            main_task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)
+    try:
+        await service.run(client.run)
+    except asyncio.CancelledError:
+        log.info("worker.stopped", extra={"worker": settings.name})
+
+
+def assemble(
+    settings: WorkerSettings, runtime: Runtime, features: dict[str, Any]
+) -> tuple[WorkerService, TunnelClient]:
+    """The worker's service and the tunnel client that serves it (not dialed yet): what
+    `run_worker` runs, and what fast tests wire to a server in-process."""
     service = WorkerService(
         runtime,
         capacity=settings.capacity,
         state=WorkerLocalState(),
-        enforces=features["enforces"],
+        enforces=features.get("enforces"),
         faults=settings.faults,
     )
-    for fault in sorted(settings.faults):
-        log.critical("fault.active", extra={"fault": fault, "does": FAULTS[fault]})
 
     def hello() -> dict[str, Any]:
         return {
@@ -238,19 +261,4 @@ async def run_worker(settings: WorkerSettings) -> None:
         reconnect_min=settings.reconnect_min,
         reconnect_max=settings.reconnect_max,
     )
-    loop = asyncio.get_running_loop()
-    main_task = asyncio.current_task()
-    assert main_task is not None
-
-    def stop() -> None:
-        # once: more signals must not cut the teardown short (the parent-death signal comes
-        # again each time the worker passes to another thread of a dying multi-threaded parent)
-        if not main_task.cancelling():
-            main_task.cancel()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop)
-    try:
-        await service.run(client.run)
-    except asyncio.CancelledError:
-        log.info("worker.stopped", extra={"worker": settings.name})
+    return service, client
