@@ -13,7 +13,8 @@ MODULES = (
     "main",  # the frame loop and dispatch
     "frames",  # the wire format (shared with the control plane)
     "request",  # Header, AgentError, request field readers
-    "state",  # AgentState: everything the agent keeps in memory; its log
+    "log",  # one line on stderr per event
+    "state",  # AgentState: everything the agent keeps in memory; open file handles
     "paths",  # sandbox paths onto the real filesystem, entries, OS errors
     "files",  # file operations and open handles
     "execute",  # exec

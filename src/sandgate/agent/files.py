@@ -12,7 +12,6 @@ import errno
 import os
 import posixpath
 import stat
-import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -20,10 +19,11 @@ if TYPE_CHECKING:
     from sandgate.agent import paths
     from sandgate.agent.paths import Target
     from sandgate.agent.request import AgentError, Header, bool_field, int_field
-    from sandgate.agent.state import AgentState
+    from sandgate.agent.state import AgentState, Handle
 else:
     import paths
     from request import AgentError, bool_field, int_field
+    from state import Handle
 
 MAX_READ_LENGTH = 4 << 20
 MAX_HANDLES = 64
@@ -134,30 +134,6 @@ def op_remove(st: AgentState, req: Header, payload: bytes) -> tuple[Header, byte
 
 
 # --------------------------------------------------------------------------- handles
-
-
-class Handle:
-    __slots__ = ("closed", "fd", "kind", "lock", "spath", "target", "temp", "used")
-
-    def __init__(self, kind: str, fd: int, spath: str, target: str = "", temp: str = "") -> None:
-        self.kind = kind  # "read" or "write"
-        self.fd = fd
-        self.spath = spath
-        self.target = target  # write: real path renamed onto at commit
-        self.temp = temp  # write: real path of the temp file
-        self.lock = threading.Lock()
-        self.used = time.monotonic()
-        self.closed = False
-
-    def close(self, *, discard: bool) -> None:
-        """Close the fd (once); with ``discard`` a write handle's temp file is removed."""
-        if not self.closed:
-            self.closed = True
-            try:
-                os.close(self.fd)
-            finally:
-                if discard and self.temp:
-                    _unlink_quietly(self.temp)
 
 
 def _register(st: AgentState, handle: Handle) -> int:

@@ -35,16 +35,18 @@ if TYPE_CHECKING:
     from types import FrameType
 
     from sandgate.agent import execute, files, frames, paths, procs
+    from sandgate.agent.log import log
     from sandgate.agent.request import AgentError, Header
-    from sandgate.agent.state import AgentState, log
+    from sandgate.agent.state import AgentState
 else:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import execute
     import files
     import frames
     import paths
+    from log import log
     from request import AgentError
-    from state import AgentState, log
+    from state import AgentState
 
 PROTOCOL_VERSION = 1
 

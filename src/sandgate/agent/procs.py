@@ -54,8 +54,8 @@ if TYPE_CHECKING:
         killpg,
         session_groups,
     )
+    from sandgate.agent.log import log
     from sandgate.agent.request import AgentError, Header
-    from sandgate.agent.state import log
 else:
     import pump
     from children import (
@@ -68,8 +68,8 @@ else:
         killpg,
         session_groups,
     )
+    from log import log
     from request import AgentError
-    from state import log
 
 MAX_PROCESSES = 256  # processes and terminals remembered per agent
 MAX_WAIT = 30.0  # seconds a read may wait for output

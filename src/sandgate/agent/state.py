@@ -1,4 +1,4 @@
-"""Everything the agent keeps in memory, in one object, and its log.
+"""Everything the agent keeps in memory, in one object, and the open file handles in it.
 
 main() makes the one ``AgentState`` of the agent process and hands it to every operation; no
 module of the agent keeps state of its own (a unit test refuses module-level containers and
@@ -9,13 +9,12 @@ with the sandbox (docs/state.md, row "agent").
 from __future__ import annotations
 
 import os
-import sys
 import threading
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sandgate.agent import procs
-    from sandgate.agent.files import Handle
     from sandgate.agent.request import Header
 
 
@@ -62,10 +61,30 @@ class AgentState:
         self.queues: dict[tuple[str, int], list[tuple[int, Header, bytes]]] = {}
 
 
-def log(message: str) -> None:
-    """One line on the agent's stderr (the worker keeps it as the sandbox's agent log)."""
-    try:
-        sys.stderr.write(f"sandgate-agent[{os.getpid()}]: {message}\n")
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
+class Handle:
+    """An open file of files.py, registered in ``AgentState.handles``."""
+
+    __slots__ = ("closed", "fd", "kind", "lock", "spath", "target", "temp", "used")
+
+    def __init__(self, kind: str, fd: int, spath: str, target: str = "", temp: str = "") -> None:
+        self.kind = kind  # "read" or "write"
+        self.fd = fd
+        self.spath = spath
+        self.target = target  # write: real path renamed onto at commit
+        self.temp = temp  # write: real path of the temp file
+        self.lock = threading.Lock()
+        self.used = time.monotonic()
+        self.closed = False
+
+    def close(self, *, discard: bool) -> None:
+        """Close the fd (once); with ``discard`` a write handle's temp file is removed."""
+        if not self.closed:
+            self.closed = True
+            try:
+                os.close(self.fd)
+            finally:
+                if discard and self.temp:
+                    try:
+                        os.unlink(self.temp)
+                    except OSError:
+                        pass
