@@ -240,6 +240,16 @@ STATE_TABLE: dict[str, StateRow] = {
         "per-process by nature; awaited by the worker's shutdown",
     ),
     # state objects keep on `self`, found by the registry test; each lives and dies with its owner
+    "MemoryLink._to_server": StateRow(
+        "frames from the worker to the server on an in-memory tunnel link (tests/fast)",
+        "what one side sent and the other has not read yet: calls wait for their answers",
+        "per-process by nature: both ends of the link live in one process",
+    ),
+    "MemoryLink._to_worker": StateRow(
+        "frames from the server to the worker on an in-memory tunnel link (tests/fast)",
+        "what one side sent and the other has not read yet: calls wait for their answers",
+        "per-process by nature: both ends of the link live in one process",
+    ),
     "RpcChannel._pending": StateRow(
         "calls waiting for their answer on one link",
         "the calls in flight on that link",

@@ -25,6 +25,7 @@ from sandgate.api.routes import (
 )
 from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission
+from sandgate.control.create import CreatePipeline
 from sandgate.control.exec_jobs import ExecJobService
 from sandgate.control.peers import PeerClient
 from sandgate.control.reaper import Reaper
@@ -55,15 +56,18 @@ def create_app(settings: ServerSettings) -> FastAPI:
             store, state, node_url=node_url, peers=peers, owner_ttl=settings.owner_ttl
         )
         gate = Admission(store, state, settings, node_url=node_url)
-        service = SandboxService(store, state, workers, settings, gate)
+        service = SandboxService(store, state, workers)
+        creates = CreatePipeline(store, state, workers, settings, gate, service)
 
         async def deliver_waiting(session: TunnelSession) -> None:
-            await service.wake(WorkerName(session.worker))
+            await creates.wake(WorkerName(session.worker))
 
         workers.on_serving = deliver_waiting  # a re-attached worker gets its creates at once
         toolbox = Toolbox(service, workers)
         jobs = ExecJobService(store, state, service, toolbox, settings, gate, node_url=node_url)
-        app.state.services = Services(settings, store, state, workers, service, toolbox, jobs, gate)
+        app.state.services = Services(
+            settings, store, state, workers, service, creates, toolbox, jobs, gate
+        )
         try:
             # this instance holds no tunnel yet: records naming it are from before a crash or
             # restart, and would send creates to a tunnel that is gone until they expire
@@ -80,7 +84,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             asyncio.create_task(Reaper(service, interval=settings.reaper_interval).run()),
             asyncio.create_task(
                 Recovery(
-                    service,
+                    creates,
                     store,
                     node_url=node_url,
                     after=settings.recovery_after,

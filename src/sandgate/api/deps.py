@@ -15,6 +15,7 @@ from fastapi import Request
 
 from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission
+from sandgate.control.create import CreatePipeline
 from sandgate.control.exec_jobs import ExecJobService
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.toolbox import Toolbox
@@ -32,6 +33,7 @@ class Services:
     state: ServerLocalState
     workers: WorkerRegistry
     sandboxes: SandboxService
+    creates: CreatePipeline  # the idempotent create: accept, deliver, recover
     toolbox: Toolbox  # every call into a running sandbox
     exec_jobs: ExecJobService
     admission: Admission

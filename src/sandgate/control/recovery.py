@@ -21,8 +21,8 @@ import asyncio
 import logging
 from datetime import datetime, timedelta
 
+from sandgate.control.create import CreatePipeline
 from sandgate.control.exec_jobs import OVERDUE_GRACE
-from sandgate.control.sandboxes import SandboxService
 from sandgate.control.workers import utcnow
 from sandgate.store.base import OVERDUE_EXEC_JOB, Store
 
@@ -38,7 +38,7 @@ TIMEOUTS_KEPT = 1000  # scheduling timeouts kept at most (or the breaker thresho
 class Recovery:
     def __init__(
         self,
-        sandboxes: SandboxService,
+        sandboxes: CreatePipeline,
         store: Store,
         *,
         node_url: str,

@@ -9,8 +9,8 @@ from typing import Any, cast
 import pytest
 from sqlalchemy import func, select
 
+from sandgate.control.create import CreatePipeline
 from sandgate.control.recovery import Recovery
-from sandgate.control.sandboxes import SandboxService
 from sandgate.core.breaker import BreakerPolicy
 from sandgate.store.base import (
     JobId,
@@ -122,7 +122,7 @@ async def test_recovery_tick_runs_the_sweepers(store: SqlStore) -> None:
     await store.heartbeat_instance("http://dead", T0)
     await store.enqueue_create(TenantId("t1"), "http://dead", T0, T0 + HOUR, 10)
     recovery = Recovery(
-        cast(SandboxService, object()),  # no pending create jobs: nothing is delivered
+        cast(CreatePipeline, object()),  # no pending create jobs: nothing is delivered
         store,
         node_url="http://me",
         after=45.0,

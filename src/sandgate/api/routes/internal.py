@@ -36,7 +36,7 @@ class ProvisionRequest(BaseModel):
 @router.post("/provision")
 async def provision(body: ProvisionRequest, svc: Svc) -> dict[str, Any]:
     """Deliver a create another instance accepted, through this instance's tunnel."""
-    sandbox = await svc.sandboxes.deliver_job(body.job_id, forwarded=True)
+    sandbox = await svc.creates.deliver_job(body.job_id, forwarded=True)
     return sandbox_out(sandbox)
 
 

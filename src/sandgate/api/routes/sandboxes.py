@@ -17,7 +17,7 @@ from sandgate.api.schemas import (
     SandboxList,
     SandboxOut,
 )
-from sandgate.control.sandboxes import CreateRequest
+from sandgate.control.create import CreateRequest
 from sandgate.core import caps
 from sandgate.errors import InvalidRequestError
 from sandgate.store.base import Sandbox, SandboxFilter, SandboxName, TenantId
@@ -80,7 +80,7 @@ async def create_sandbox(
         # fingerprinted with what it gets: a retry naming the defaults is the same request
         body=body.model_dump(mode="json") | {"timeout": timeout, "resources": resources},
     )
-    result = await svc.sandboxes.create(who, request, idempotency_key, http.is_disconnected)
+    result = await svc.creates.create(who, request, idempotency_key, http.is_disconnected)
     if result.replayed:
         return JSONResponse(
             sandbox_out(result.sandbox), status_code=200, headers={"Idempotent-Replayed": "true"}
