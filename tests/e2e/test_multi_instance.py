@@ -323,7 +323,7 @@ def test_100mb_upload_and_download_through_the_non_owner(clean: Cluster) -> None
     block = os.urandom(1 << 20)
     expected = hashlib.sha256(block * 100).hexdigest()
 
-    def stream():  # type: ignore[no-untyped-def]
+    def stream() -> Iterator[bytes]:
         for _ in range(size // len(block)):
             yield block
 

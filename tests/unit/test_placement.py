@@ -13,7 +13,10 @@ FEATURES = {
 
 
 def test_usage_sums_what_was_granted_and_counts_a_missing_value_as_nothing() -> None:
-    grants = [{"memory_mb": 512, "disk_mb": 1024, "cpus": 1.0}, {"memory_mb": 256}]
+    grants: list[dict[str, float]] = [
+        {"memory_mb": 512, "disk_mb": 1024, "cpus": 1.0},
+        {"memory_mb": 256},
+    ]
     assert placement.usage(grants) == {"memory_mb": 768, "disk_mb": 1024}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
 import pytest
 
@@ -86,7 +88,7 @@ def test_huge_body_is_413(alpha: httpx.Client) -> None:
 
 
 def test_huge_chunked_body_is_413(alpha: httpx.Client) -> None:
-    def chunks():  # type: ignore[no-untyped-def]
+    def chunks() -> Iterator[bytes]:
         yield b'{"code": "'
         for _ in range(40):
             yield b"x" * (100 << 10)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -109,7 +110,7 @@ def test_large_file_round_trip(alpha: httpx.Client, sandbox: str) -> None:
     block = os.urandom(1 << 20)
     expected = hashlib.sha256(block * 100).hexdigest()
 
-    def stream():  # type: ignore[no-untyped-def]
+    def stream() -> Iterator[bytes]:
         for _ in range(size // len(block)):
             yield block
 

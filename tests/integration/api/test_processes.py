@@ -90,7 +90,7 @@ def test_output_arrives_live(alpha: httpx.Client, sandbox: str) -> None:
         '    print(i, time.time(), flush=True); time.sleep(0.3)"'
     )
     pid = alpha.post(procs(sandbox), json={"command": command}).json()["pid"]
-    lags = []
+    lags: list[float] = []
     pending = ""  # output chunks are not line-aligned: keep a partial line for the next one
     with alpha.stream("GET", f"{procs(sandbox)}/{pid}/stream") as response:
         for event, data, _ in sse(response):

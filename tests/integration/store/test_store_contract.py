@@ -396,13 +396,14 @@ async def test_list_worker_sandboxes_and_count_live(store: SqlStore) -> None:
 
 async def test_tenant_scoped_counts_leave_other_tenants_out(store: SqlStore) -> None:
     """What GET /api/v1/workers and /api/v1/admission show a tenant: its own only."""
-    for name, tenant, state, worker in (
+    rows: tuple[tuple[str, str, SandboxState, str | None], ...] = (
         ("a-run", "ta", "running", "w1"),
         ("b-run", "tb", "running", "w1"),
         ("b-pend", "tb", "pending", "w2"),
         ("b-stop", "tb", "stopped", "w1"),
         ("b-none", "tb", "pending", None),
-    ):
+    )
+    for name, tenant, state, worker in rows:
         await create(store, sandbox(name, tenant, state=state, worker=worker))
     w1, w2 = WorkerName("w1"), WorkerName("w2")
     assert await store.live_sandboxes_per_worker() == {w1: 2, w2: 1}
@@ -958,11 +959,11 @@ async def test_fail_orphaned_exec_jobs_only_of_dead_instances(store: SqlStore) -
         j.id: (j.state, j.error)
         for j in await store.list_exec_jobs(TenantId("t1"), SandboxName("sb"), 100)
     }
-    assert states["alive"] == ("running", None)
-    assert states["fresh"] == ("queued", None)  # touched after dead_before: not yet
-    assert states["finished"] == ("succeeded", None)
+    assert states[ExecJobId("alive")] == ("running", None)
+    assert states[ExecJobId("fresh")] == ("queued", None)  # touched after dead_before: not yet
+    assert states[ExecJobId("finished")] == ("succeeded", None)
     for job_id in ("dead", "gone", "queued-dead"):
-        assert states[job_id] == ("failed", ORPHANED_EXEC_JOB)
+        assert states[ExecJobId(job_id)] == ("failed", ORPHANED_EXEC_JOB)
     assert await store.fail_orphaned_exec_jobs(T0 + timedelta(minutes=1), now) == 0
     # a failed job is never started again
     assert await store.start_exec_job(ExecJobId("queued-dead"), "http://alive", now) is False
