@@ -18,6 +18,11 @@ FAULTS = MappingProxyType(
         "exit-after-accept": (
             "SIGKILL this process right after committing an accept, before any delivery"
         ),
+        "fail-reaper": (
+            "the reaper's first 4 iterations raise, as if the store refused them; the "
+            "supervisor logs each with its traceback and restarts the reaper with backoff, "
+            "/readyz answers 503 naming it, and it is healthy again from the 5th"
+        ),
         # worker side
         "hang-start": (
             "worker: every provision hangs and its sandbox never becomes ready, so each create "

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    from sandgate.core.loops import LoopHealth
     from sandgate.store.base import ApiKey, Sandbox, TenantLimits
     from sandgate.tunnel.hub import TunnelSession
     from sandgate.tunnel.rpc import RpcChannel
@@ -76,6 +77,10 @@ class ServerLocalState:
     # tunnels this instance gave up on because they went silent (a partition): a counter
     # for /metrics, kept apart from scheduling timeouts.
     tunnel_losses: int = 0
+    # loop name -> its health as the supervisor and the heartbeat handler record it (the
+    # reaper, recovery, the owner renewal of each attached worker): /readyz names the ones
+    # failing. Per-process by nature: each instance runs its own loops and reports them.
+    loops: dict[str, LoopHealth] = field(default_factory=dict)
 
     def cached_running(self, tenant: str, name: str) -> Sandbox | None:
         hit = _fresh(self.running_sandboxes, (tenant, name), RUNNING_CACHE_TTL)
@@ -193,6 +198,17 @@ STATE_TABLE: dict[str, StateRow] = {
         "how many worker tunnels this instance dropped because they went silent",
         "one counter",
         "per-process by nature: a Prometheus counter; the scraper sums the instances",
+    ),
+    "ServerLocalState.loops": StateRow(
+        "the health of each long-lived loop (reaper, recovery, owner renewal per worker): "
+        "failures in a row, since when, the last error",
+        "two, plus one per attached worker (dropped when it detaches)",
+        "per-process by nature: each instance supervises its own loops and /readyz reports them",
+    ),
+    "Supervisor._running": StateRow(
+        "the tasks of the loops this instance started, by name",
+        "one per loop (two)",
+        "per-process by nature; cancelled at shutdown",
     ),
     "ServerLocalState.peer_links": StateRow(
         "open WebSocket links to other instances, for forwarded tunnel requests",

@@ -31,6 +31,7 @@ from sandgate.control.peers import PeerClient
 from sandgate.control.reaper import Reaper
 from sandgate.control.recovery import TIMEOUTS_KEPT, Recovery
 from sandgate.control.sandboxes import SandboxService
+from sandgate.control.supervisor import Loop, Supervisor
 from sandgate.control.toolbox import Toolbox
 from sandgate.control.workers import WorkerRegistry
 from sandgate.errors import TunnelUnavailableError
@@ -80,35 +81,34 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 log.warning("exec_jobs.failed_from_earlier_run", extra={"jobs": left})
         except Exception:
             log.exception("exec_jobs.leftovers_not_checked")  # recovery fails them later
-        loops = [
-            asyncio.create_task(Reaper(service, interval=settings.reaper_interval).run()),
-            asyncio.create_task(
-                Recovery(
-                    creates,
-                    store,
-                    node_url=node_url,
-                    after=settings.recovery_after,
-                    interval=settings.recovery_interval,
-                    orphan_after=settings.orphan_intervals * settings.recovery_interval
-                    + settings.orphan_grace,
-                    exec_job_retention=settings.exec_job_retention,
-                    sandbox_retention=settings.sandbox_retention,
-                    timeouts_kept=max(TIMEOUTS_KEPT, settings.breaker_threshold),
-                ).run()
-            ),
-        ]
-        for fault in sorted(settings.faults):
-            log.critical("fault.active", extra={"fault": fault, "does": FAULTS[fault]})
-        log.info("server.started", extra={"node_url": node_url})
+        reaper = Reaper(service, interval=settings.reaper_interval, faults=settings.faults)
+        recovery = Recovery(
+            creates,
+            store,
+            node_url=node_url,
+            after=settings.recovery_after,
+            interval=settings.recovery_interval,
+            orphan_after=settings.orphan_intervals * settings.recovery_interval
+            + settings.orphan_grace,
+            exec_job_retention=settings.exec_job_retention,
+            sandbox_retention=settings.sandbox_retention,
+            timeouts_kept=max(TIMEOUTS_KEPT, settings.breaker_threshold),
+        )
         try:
-            yield
+            # the one task group of the instance's long-lived loops (control/supervisor.py)
+            async with asyncio.TaskGroup() as tasks:
+                supervisor = Supervisor(tasks, state.loops)
+                for name, part in (("reaper", reaper), ("recovery", recovery)):
+                    await supervisor.start(Loop(name, part.tick, part.interval, part.tick_timeout))
+                for fault in sorted(settings.faults):
+                    log.critical("fault.active", extra={"fault": fault, "does": FAULTS[fault]})
+                log.info("server.started", extra={"node_url": node_url})
+                try:
+                    yield
+                finally:
+                    await jobs.aclose()  # running jobs are recorded failed, never left "running"
+                    supervisor.cancel()  # the task group awaits the loops
         finally:
-            await jobs.aclose()  # running jobs are recorded failed, never left "running"
-            for loop in loops:
-                loop.cancel()
-            for loop in loops:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await loop
             await peers.aclose()
             for session in list(state.tunnels.values()):
                 session.channel.close(TunnelUnavailableError("server shutting down"))

@@ -13,6 +13,10 @@ gone, so the table does not grow without bound; the same for ended sandboxes (wi
 create jobs and idempotency records) past `sandbox_retention`, stale tunnel owners, dead
 instances, expired queue tickets and surplus scheduling timeouts (`_sweep`; the bound of every
 table is in docs/state.md, "What grows and what bounds it").
+
+It runs as the loop "recovery" of the instance's supervisor (`control/supervisor.py`), which
+repeats `tick` every `interval` s, bounded by `tick_timeout`, and restarts it with backoff
+when it fails.
 """
 
 from __future__ import annotations
@@ -61,17 +65,6 @@ class Recovery:
         self.timeouts_kept = timeouts_kept
         # an instance silent this long is dead (default: 3 intervals + 30 s)
         self.orphan_after = orphan_after if orphan_after is not None else 3 * interval + 30.0
-
-    async def run(self) -> None:
-        while True:
-            try:
-                async with asyncio.timeout(self.tick_timeout):
-                    await self.tick()
-            except TimeoutError:
-                log.warning("recovery.tick_timeout")
-            except Exception:
-                log.exception("recovery.tick_failed")  # the next tick retries
-            await asyncio.sleep(self.interval)
 
     async def _fail_overdue_exec_jobs(self, now: datetime) -> None:
         """Jobs of a live instance whose start or result the store lost: failed, not re-run

@@ -14,6 +14,7 @@ from typing import Any
 from sandgate.agent.frames import Header
 from sandgate.control.peers import PeerClient
 from sandgate.core import placement
+from sandgate.core.loops import LoopHealth
 from sandgate.errors import (
     AtCapacityError,
     AuthError,
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 PROBE_LEAD = 3.0  # a request still unanswered this long before its end pings the link...
 PROBE_GRACE = 0.5  # ...and the answer to that ping may come this long after the end
+OWNER_RENEWAL = "owner-renewal"  # the loop renewing a worker's tunnel owner, per worker
 
 
 def utcnow() -> datetime:
@@ -151,11 +153,7 @@ class WorkerRegistry:
         kind = header.get("event")
         now = utcnow()
         if kind == "heartbeat":
-            if not await self.store.renew_tunnel(session.worker, self.node_url, now):
-                # someone else holds the record; take it only when theirs went stale
-                if await self.owner(session.worker) is None:
-                    await self.store.claim_tunnel(session.worker, self.node_url, now)
-            await self.store.set_worker_connected(WorkerName(session.worker), True, now)
+            await self._renew_owner(session, now)
             reported = header.get("sandboxes")
             if isinstance(reported, list) and all(isinstance(n, str) for n in reported):
                 worker = WorkerName(session.worker)
@@ -175,10 +173,29 @@ class WorkerRegistry:
                 )
                 log.warning("sandbox.exited", extra={"sandbox": name})
 
+    async def _renew_owner(self, session: TunnelSession, now: datetime) -> None:
+        """Renew the store's record that this instance holds the worker's tunnel, on each of
+        its heartbeats. Its health is the loop "owner-renewal <worker>" that /readyz reads; a
+        failure is raised on to the channel, which logs it with its traceback."""
+        name = f"{OWNER_RENEWAL} {session.worker}"
+        health = self.state.loops.setdefault(name, LoopHealth(name))
+        try:
+            if not await self.store.renew_tunnel(session.worker, self.node_url, now):
+                # someone else holds the record; take it only when theirs went stale
+                if await self.owner(session.worker) is None:
+                    await self.store.claim_tunnel(session.worker, self.node_url, now)
+            await self.store.set_worker_connected(WorkerName(session.worker), True, now)
+        except Exception as exc:
+            health.failed(f"{type(exc).__name__}: {exc}", now)
+            raise
+        if ended := health.succeeded(now):
+            log.info("loop.recovered", extra={"loop": name, "failures": ended})
+
     async def detached(self, session: TunnelSession) -> None:
         current = self.state.tunnels.get(session.worker)
         if current is not None and current is not session:
             return  # a newer tunnel of the same worker took over
+        self.state.loops.pop(f"{OWNER_RENEWAL} {session.worker}", None)
         if current is session:
             del self.state.tunnels[session.worker]
         try:

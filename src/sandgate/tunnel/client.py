@@ -96,6 +96,7 @@ class TunnelClient:
 
     async def serve_link(self, ws: Link) -> None:
         """One session on a dialed link: hello, welcome, then serve until it closes."""
+
         async def send(frame: bytes) -> None:
             await ws.send(frame)
 
@@ -125,7 +126,10 @@ class TunnelClient:
                 heartbeat.cancel()
 
     async def _heartbeat(self, channel: RpcChannel) -> None:
-        while True:
+        """Beat every interval while the link is up. A beat that fails is logged with its
+        traceback and the next one tries again; only the end of the link ends the loop (the
+        session is over then, and `run` redials)."""
+        while not channel.closed:
             await asyncio.sleep(self._heartbeat_interval)
             try:
                 # what runs here, so the control plane can remove what it no longer knows
@@ -135,5 +139,10 @@ class TunnelClient:
                     sandboxes=hello.get("sandboxes", []),
                     tearing_down=hello.get("tearing_down", []),
                 )
+            except ConnectionClosed:
+                log.info("tunnel.heartbeat_link_closed", extra={"url": self.url})
+                return  # the session's reader sees the close too and ends the session
             except Exception:
-                return
+                if channel.closed:
+                    return  # the link ended meanwhile: the session ends, `run` redials
+                log.exception("tunnel.heartbeat_failed", extra={"url": self.url})

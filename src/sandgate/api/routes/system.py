@@ -53,6 +53,9 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz", include_in_schema=False)
 async def readyz(svc: Svc) -> JSONResponse:
     problems = [f"peer: {problem}" for problem in svc.state.recent_peer_problems()]
+    now = utcnow()
+    # a loop that keeps failing (sandgate.core.loops): named until an iteration succeeds
+    problems += [p for h in list(svc.state.loops.values()) if (p := h.problem(now)) is not None]
     if store_problem := await _store_problem(svc):
         problems.append(store_problem)
     body = {
