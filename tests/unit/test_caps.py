@@ -26,3 +26,8 @@ def test_a_value_at_the_cap_is_granted_and_above_it_refused_naming_it() -> None:
 def test_a_default_above_its_cap_is_a_problem() -> None:
     assert ResourceCaps().problem() is None
     assert "memory_mb" in (ResourceCaps(max_memory_mb=256).problem() or "")
+
+
+def test_an_infinite_cap_is_a_problem() -> None:
+    assert "finite" in (ResourceCaps(max_cpus=float("inf")).problem() or "")
+    assert "finite" in (ResourceCaps(max_memory_mb=float("nan")).problem() or "")  # type: ignore[arg-type]

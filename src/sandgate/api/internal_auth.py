@@ -53,7 +53,7 @@ class InternalAuth:
                 now=time.time(),
             )
         except SignatureError as exc:
-            await reject(send, 401, "unauthorized", f"internal request refused: {exc}")
+            await reject(send, 401, "unauthorized", f"internal request refused: {exc}", close=True)
             return
         assert digest is not None
         body = bytearray()
@@ -63,7 +63,9 @@ class InternalAuth:
                 async with asyncio.timeout(self.idle_timeout):
                     message = await receive()
             except TimeoutError:
-                await reject(send, 408, "request_timeout", "internal request body stalled")
+                await reject(
+                    send, 408, "request_timeout", "internal request body stalled", close=True
+                )
                 return
             if message["type"] == "http.disconnect":
                 return
@@ -71,7 +73,9 @@ class InternalAuth:
             body += part
             hashed.update(part)
             if len(body) > MAX_INTERNAL_BODY:
-                await reject(send, 413, "payload_too_large", "internal request too large")
+                await reject(
+                    send, 413, "payload_too_large", "internal request too large", close=True
+                )
                 return
             if not message.get("more_body"):
                 break

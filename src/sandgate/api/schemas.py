@@ -22,7 +22,7 @@ class Resources(_In):
     the cap. `disk_mb` is the quota of /workspace and /tmp together."""
 
     memory_mb: int | None = Field(default=None, ge=16, le=1 << 20)
-    cpus: float | None = Field(default=None, gt=0, le=1024)
+    cpus: float | None = Field(default=None, ge=0.01, le=1024)  # a cgroup's least is 0.01
     pids: int | None = Field(default=None, ge=8, le=1 << 22)
     disk_mb: int | None = Field(default=None, ge=MIN_DISK_MB, le=1 << 24)
 

@@ -6,6 +6,7 @@ not asked and refuses what is above its caps, naming the cap. Pure: no IO.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -37,6 +38,8 @@ class ResourceCaps:
         """Why these caps are inconsistent (a default above its cap), or None."""
         for name in RESOURCES:
             default, cap = getattr(self, f"default_{name}"), getattr(self, f"max_{name}")
+            if not (math.isfinite(default) and math.isfinite(cap)):
+                return f"{name} must be a finite number (default {default:g}, cap {cap:g})"
             if default > cap:
                 return f"the default {name} ({default:g}) is above its cap ({cap:g})"
         return None

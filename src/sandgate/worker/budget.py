@@ -8,7 +8,8 @@ Measured once at start:
   are removed), less 5 %, times `--disk-overcommit` (images are sparse: above 1 they can
   together fill the disk only if every sandbox fills its quota);
 - one sandbox: at most the whole budget of memory and disk, the host's CPUs, and a quarter
-  of the host's `kernel.pid_max`.
+  of the host's `kernel.pid_max`, and never so many processes that even at the smallest
+  descriptor limit (`fds.MIN_NOFILE`) they could hold more than `fd_share` of `file-max`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
+
+from sandgate.worker import fds
 
 MEMORY_RESERVE_SHARE = 0.10
 MEMORY_RESERVE_MIN_MB = 256
@@ -36,6 +39,7 @@ def measure(
     memory_overcommit: float = 1.0,
     disk_overcommit: float = 1.0,
     disk_quota: bool = True,
+    fd_share: float = fds.DEFAULT_FD_SHARE,
 ) -> dict[str, Any]:
     """The `enforces` entry of this worker's features."""
     total = mem_total_mb()
@@ -45,11 +49,12 @@ def measure(
     free_mb = (st.f_bavail * st.f_frsize) >> 20
     disk = int(free_mb * (1 - DISK_RESERVE_SHARE) * disk_overcommit)
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text().split()[0])
+    file_max, _ = fds.host_file_limits()
     budget = {"memory_mb": memory}
     sandbox_max: dict[str, float] = {
         "memory_mb": memory,
         "cpus": float(os.cpu_count() or 1),
-        "pids": int(pid_max * PIDS_SHARE),
+        "pids": min(int(pid_max * PIDS_SHARE), int(fd_share * file_max) // fds.MIN_NOFILE),
     }
     if disk_quota:  # without a quota a sandbox's disk use is not bounded: nothing to count
         budget["disk_mb"] = disk

@@ -3,8 +3,11 @@
 Linux has no per-cgroup count of open files: `fs.file-max` is one table for the host, and
 `RLIMIT_NOFILE` bounds each process. A sandbox can hold at most `pids` processes, so giving
 each `nofile = share * file-max / pids` descriptors bounds the whole sandbox to `share` of
-the table. (A file kept only by a mapping, with its descriptor closed, is charged to the
-sandbox's memory cgroup instead: struct file is kernel memory accounted to it.)
+the table. Each process gets at least MIN_NOFILE; the worker therefore never gives one sandbox
+more than `share * file-max / MIN_NOFILE` processes (`worker.budget`), so the floor cannot
+take a sandbox past its share. (A file kept only by a mapping, with its descriptor closed,
+is charged to the sandbox's memory cgroup instead: struct file is kernel memory accounted
+to it.)
 """
 
 from __future__ import annotations

@@ -189,6 +189,7 @@ async def run_worker(settings: WorkerSettings) -> None:
         memory_overcommit=settings.memory_overcommit,
         disk_overcommit=settings.disk_overcommit,
         disk_quota=bool(features.get("disk_quota")),
+        fd_share=settings.fd_share,
     )
     log.info("worker.ready", extra={"worker": settings.name, "features": features})
     for fault in sorted(settings.faults):

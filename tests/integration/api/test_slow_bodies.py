@@ -117,3 +117,77 @@ def test_a_stalled_public_body_is_cut(server: Deployment) -> None:
 def test_the_server_still_serves_after_all_that(server: Deployment, tmp_path: Path) -> None:
     with server.client() as c:
         assert c.get("/api/v1/sandboxes").status_code == 200
+
+
+def _answer_then_closed(sock: socket.socket, within: float) -> tuple[bytes, bool]:
+    """The answer, and whether the server then closed the connection (within `within` s)
+    while we sent nothing more."""
+    sock.settimeout(within)
+    got = b""
+    try:
+        while piece := sock.recv(65536):
+            got += piece
+    except TimeoutError:
+        return got, False
+    finally:
+        sock.close()
+    return got, True
+
+
+def test_an_unsigned_internal_request_is_answered_and_its_connection_closed(
+    server: Deployment,
+) -> None:
+    """The 401 comes before the body is read; the socket must not stay open for a body
+    the server will never read (it used to, for minutes)."""
+    head = (
+        "POST /internal/peer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {16_000_000}\r\n"
+    )
+    answer, closed = _answer_then_closed(_open(server, head, b"x" * 100_000), within=5)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert b"connection: close" in answer.lower()
+    assert closed
+
+
+def test_a_body_without_credentials_is_refused_before_it_is_read(server: Deployment) -> None:
+    head = (
+        "POST /api/v1/sandboxes HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Content-Length: 2000000\r\n"
+    )
+    started = time.monotonic()
+    answer, closed = _answer_then_closed(_open(server, head, b'{"metadata": '), within=5)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert closed and time.monotonic() - started < 1  # at once, not after a deadline
+
+
+def test_a_stalled_public_body_is_answered_408_and_closed(server: Deployment) -> None:
+    head = (
+        "POST /api/v1/sandboxes HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {server.keys['alpha']}\r\nContent-Length: 1000\r\n"
+    )
+    answer, closed = _answer_then_closed(_open(server, head, b'{"metadata": '), within=10)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+    assert b"request_timeout" in answer and closed
+
+
+def test_a_trickled_json_body_is_cut_by_its_whole_body_deadline(server: Deployment) -> None:
+    """Never silent for the idle timeout (1 s), but not whole within it either."""
+    head = (
+        "POST /api/v1/sandboxes HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {server.keys['alpha']}\r\nContent-Length: 1000\r\n"
+    )
+    sock = _open(server, head, b"{")
+    sock.settimeout(0.3)
+    started = time.monotonic()
+    got = b""
+    while time.monotonic() - started < 8 and not got:
+        try:
+            sock.sendall(b" ")
+            got = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except OSError:
+            break
+    sock.close()
+    assert got.startswith(b"HTTP/1.1 408"), got[:300]
+    assert time.monotonic() - started < 4

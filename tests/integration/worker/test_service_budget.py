@@ -13,7 +13,7 @@ import pytest
 
 from sandgate.errors import NoCapacityError, ResourceCapError
 from sandgate.local_state import WorkerLocalState
-from sandgate.worker import budget
+from sandgate.worker import budget, fds
 from sandgate.worker.runtime.base import SandboxSpec
 from sandgate.worker.runtime.bwrap import BwrapRuntime
 from sandgate.worker.service import WorkerService
@@ -60,7 +60,11 @@ def test_the_host_budget_is_measured_from_the_host(tmp_path: Path) -> None:
     assert 0 < measured["budget"]["disk_mb"] <= free_mb * 2
     assert measured["sandbox_max"]["cpus"] == os.cpu_count()
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
-    assert measured["sandbox_max"]["pids"] == pid_max // 4
+    file_max, _ = fds.host_file_limits()
+    fd_bound = int(fds.DEFAULT_FD_SHARE * file_max) // fds.MIN_NOFILE
+    assert measured["sandbox_max"]["pids"] == min(pid_max // 4, fd_bound)
+    tight = budget.measure(tmp_path, fd_share=0.001)  # the probe's case: 0.1 % of file-max
+    assert tight["sandbox_max"]["pids"] * fds.MIN_NOFILE <= 0.001 * file_max
     assert measured["overcommit"] == {"memory": 1.5, "disk": 2.0}
     without = budget.measure(tmp_path, disk_quota=False)
     assert "disk_mb" not in without["budget"] and "disk_mb" not in without["sandbox_max"]
