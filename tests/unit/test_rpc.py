@@ -36,12 +36,20 @@ def test_calls_both_ways_concurrently_and_errors() -> None:
     async def main() -> None:
         a_to_b, b_to_a = link()
         events: list[Header] = []
+        got_event = asyncio.Event()
+        pending_reached_b = asyncio.Event()
 
         async def on_event(header: Header, payload: bytes) -> None:
             events.append(header)
+            got_event.set()
+
+        async def b_handler(header: Header, payload: bytes) -> tuple[Header, bytes]:
+            if header.get("tag") == "pending":
+                pending_reached_b.set()
+            return await handler(header, payload)
 
         a = RpcChannel(a_to_b.put, handler=handler, name="a")
-        b = RpcChannel(b_to_a.put, handler=handler, on_event=on_event, name="b")
+        b = RpcChannel(b_to_a.put, handler=b_handler, on_event=on_event, name="b")
         serve_a = asyncio.create_task(a.serve(reader(b_to_a)))
         serve_b = asyncio.create_task(b.serve(reader(a_to_b)))
         answers = await asyncio.gather(*(a.call("echo", bytes([i]) * 3, n=i) for i in range(50)))
@@ -54,11 +62,11 @@ def test_calls_both_ways_concurrently_and_errors() -> None:
         with pytest.raises(SandboxTimeoutError):
             await a.call("slow", wait=0.05, s=1.0)
         await a.event("hello", name="x")
-        await asyncio.sleep(0.01)
+        await asyncio.wait_for(got_event.wait(), 5)
         assert events == [{"event": "hello", "name": "x"}]
         # the link ends: waiting calls fail, later calls fail at once
-        pending = asyncio.create_task(a.call("slow", s=5))
-        await asyncio.sleep(0.01)
+        pending = asyncio.create_task(a.call("slow", s=5, tag="pending"))
+        await asyncio.wait_for(pending_reached_b.wait(), 5)  # the call is in flight
         await b_to_a.put(None)
         with pytest.raises(TunnelUnavailableError):
             await pending
