@@ -6,6 +6,12 @@ import os
 
 import pytest
 
+# Workers the tests start hold up to 160 small, mostly idle sandboxes: more than this host's
+# memory and disk budget gives them at the real defaults (512 MiB and 1 GiB each, overcommit
+# 1). The tests of the budget itself pass --memory-overcommit/--disk-overcommit explicitly.
+os.environ.setdefault("SANDGATE_MEMORY_OVERCOMMIT", "8")
+os.environ.setdefault("SANDGATE_DISK_OVERCOMMIT", "8")
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
