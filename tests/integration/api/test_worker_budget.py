@@ -25,7 +25,14 @@ def overcommit_for(target_mb: int) -> float:
 def test_the_control_plane_places_within_the_workers_budget(tmp_path: Path) -> None:
     dep = start_deployment(tmp_path, worker=False, server_args=("--queue-limit", "0"))
     try:
-        dep.start_worker(args=("--memory-overcommit", f"{overcommit_for(BUDGET_MB):.6f}"))
+        dep.start_worker(
+            args=(
+                "--memory-overcommit",
+                f"{overcommit_for(BUDGET_MB):.6f}",
+                "--disk-overcommit",
+                "1",  # not the suite's default of 8 (tests/conftest.py)
+            )
+        )
         with dep.admin() as admin:
             (worker,) = admin.get("/api/v1/workers").json()["workers"]
         enforces = worker["features"]["enforces"]
