@@ -43,7 +43,7 @@ UP_STATE_ROOT = Path("/var/lib/sandgate-up")  # when the data dir is not travers
 def default_state_dir(data_dir: Path) -> Path:
     """`<data-dir>/state`, or a directory of its own under /var/lib/sandgate-up when sandbox
     uids cannot traverse to the data dir (one under a 0700 home, say)."""
-    from sandgate.worker.runtime.bwrap import untraversable
+    from sandgate.worker.runtime.bwrap_host import untraversable
 
     data = data_dir.resolve()
     if untraversable(data.parent) is None:
@@ -53,7 +53,7 @@ def default_state_dir(data_dir: Path) -> Path:
 
 def preflight(host: str, port: int, runtime: str, state_dir: Path) -> str | None:
     """What would stop `up`, as one line saying what to do; None when nothing does."""
-    from sandgate.worker.runtime.bwrap import untraversable
+    from sandgate.worker.runtime.bwrap_host import untraversable
 
     dev = "or give --runtime process for development (no isolation)"
     if runtime == "bwrap":

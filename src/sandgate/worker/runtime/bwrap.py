@@ -19,6 +19,10 @@ Per sandbox (see docs/decisions/0001-bwrap-runtime.md for why):
 * ``RLIMIT_NOFILE`` per process so the sandbox holds at most `fd_share` of the host's file
   table (`fds.py`).
 
+Host preparation (tools, uid range, state directories, leftovers, cgroups, /etc, seccomp
+filter, disk and file-table probes) is in `bwrap_host.py`; this module starts and stops one
+sandbox.
+
 Process chain: worker -> sh (joins cgroups) -exec-> prlimit -exec-> setpriv -exec-> bwrap
 (outer, the `process` returned) -> bwrap's pid-1 reaper -> the agent (or a probe ``argv``).
 
@@ -31,12 +35,9 @@ an absolute path; bwrap looks the command up in the sandbox's ``PATH``).
 from __future__ import annotations
 
 import asyncio
-import grp
 import logging
 import os
-import pwd
 import re
-import shutil
 import stat
 from pathlib import Path
 from typing import Any
@@ -47,30 +48,18 @@ from sandgate.errors import InvalidRequestError, NetworkUnavailableError, Worker
 from sandgate.worker import cgroups, disk, fds, seccomp
 from sandgate.worker.cgroups import CgroupHost, SandboxCgroups
 from sandgate.worker.cleanup import remove_tree
+from sandgate.worker.runtime import bwrap_host
 from sandgate.worker.runtime.base import RunningSandbox, SandboxSpec
+from sandgate.worker.runtime.bwrap_host import SANDBOX_UID, untraversable
 from sandgate.worker.uids import UidLease, UidPool
 
 log = logging.getLogger(__name__)
 
 AGENT_MOUNT = "/opt/sandgate"
-SANDBOX_UID = 1000
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DEFAULT_UID_LOCK_DIR = Path("/run/sandgate/uids")
-MIN_BWRAP = (0, 8, 0)  # --disable-userns
-
-# Host /etc entries bound read-only into the sandbox when present. Nothing else of the
-# host's /etc is visible (no shadow, no keys, no host names).
-HOST_ETC = (
-    "ld.so.cache",
-    "ld.so.conf",
-    "ld.so.conf.d",
-    "alternatives",
-    "ssl",
-    "localtime",
-)
-ROOT_LINKS = ("bin", "sbin", "lib", "lib64", "lib32", "libx32")
 
 
 def agent_argv() -> list[str]:
@@ -103,27 +92,6 @@ def check_spec(spec: SandboxSpec) -> None:
             f"sandbox limits too small: memory_mb={spec.memory_mb} (>= 16), "
             f"pids={spec.pids} (>= 8), cpus={spec.cpus} (> 0), disk_mb={spec.disk_mb} (>= 16)"
         )
-
-
-def untraversable(path: Path) -> Path | None:
-    """The first of `path` and its ancestors that an unprivileged uid cannot enter."""
-    p = path.absolute()
-    for d in [*reversed(p.parents), p]:
-        try:
-            st = os.stat(d)
-        except OSError:
-            return d
-        if not stat.S_ISDIR(st.st_mode) or not st.st_mode & stat.S_IXOTH:
-            return d
-    return None
-
-
-def _write_file(path: Path, content: str, mode: int = 0o644) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(content)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
 
 
 class BwrapRuntime:
@@ -199,160 +167,29 @@ class BwrapRuntime:
     # ------------------------------------------------------------------ prepare
 
     async def prepare(self) -> None:
-        if os.geteuid() != 0:
-            raise WorkerError("the bwrap runtime must run as root (it drops to a uid per sandbox)")
-        bwrap = shutil.which("bwrap") or "/usr/bin/bwrap"
-        setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
-        prlimit = shutil.which("prlimit") or "/usr/bin/prlimit"
-        needed = ((bwrap, "bubblewrap"), (setpriv, "util-linux"), (prlimit, "util-linux"))
-        for path, package in needed:
-            if not os.access(path, os.X_OK):
-                raise WorkerError(
-                    f"{Path(path).name} not found: install it with `apt-get install -y {package}`"
-                )
-        if not os.access("/bin/sh", os.X_OK):
-            raise WorkerError("/bin/sh not found")
-        self._bwrap, self._setpriv, self._prlimit = bwrap, setpriv, prlimit
-        await self._check_bwrap_version()
-        self._check_uid_range()
+        """Check and set up this host before any start(); `bwrap_host` has each step."""
+        self._bwrap, self._setpriv, self._prlimit = bwrap_host.find_tools()
+        await bwrap_host.check_bwrap_version(self._bwrap)
+        bwrap_host.check_uid_range(self.uids)
+        bwrap_host.make_state_dirs(self.state_dir, self.sandboxes_dir, self.uids)
 
-        try:
-            self.state_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
-            self.sandboxes_dir.mkdir(mode=0o711, exist_ok=True)
-            os.chmod(self.sandboxes_dir, 0o711)
-            self.uids.ensure_dir()
-        except OSError as exc:
-            raise WorkerError(f"cannot create the state directory {self.state_dir}: {exc}") from exc
-        blocked = untraversable(self.sandboxes_dir)
-        if blocked is not None:
-            raise WorkerError(
-                f"{blocked} is not traversable by unprivileged uids (needs mode o+x, e.g. 0711); "
-                f"sandboxes under {self.state_dir} could not reach their workspace. "
-                f"Run `chmod o+x {blocked}` or choose another --state-dir."
-            )
-
-        # leftovers of an earlier run of this worker: processes and cgroups first, then files
         self._cg_host = CgroupHost.detect()
-        try:
-            found = await cgroups.cleanup_worker(self._cg_host, self.worker_name)
-        except WorkerError as exc:
-            raise WorkerError(f"cannot clean up after an earlier run: {exc.message}") from exc
-        unmounted = await asyncio.to_thread(disk.unmount_leftovers, self.sandboxes_dir)
-        leftovers = [p for p in self.sandboxes_dir.iterdir()]
-        for p in leftovers:
-            await asyncio.to_thread(remove_tree, p)
-        if found or leftovers or unmounted:
-            log.warning(
-                "runtime.leftovers_removed worker=%s cgroups=%s dirs=%s mounts=%s",
-                self.worker_name,
-                found,
-                [p.name for p in leftovers],
-                len(unmounted),
-            )
+        await bwrap_host.remove_leftovers(self._cg_host, self.worker_name, self.sandboxes_dir)
         self._limits = self._cg_host.prepare(self.worker_name)
         self._cgroup_kill = self._cg_host.has_cgroup_kill(self.worker_name)
         self._memsw = self._cg_host.memory_includes_swap(self.worker_name)
-        if not all(self._limits.values()):
-            log.warning(
-                "runtime.limits_missing worker=%s limits=%s (not enforced on this host)",
-                self.worker_name,
-                self._limits,
-            )
+        bwrap_host.warn_missing_limits(self._limits, self.worker_name)
 
         try:
-            self._write_etc()
+            self._etc_args = bwrap_host.write_etc(self.etc_dir, allow_network=self.allow_network)
             seccomp.write_filter(self.seccomp_path)
         except OSError as exc:
             raise WorkerError(f"cannot write the sandbox /etc or seccomp filter: {exc}") from exc
-        self._root_args = self._build_root_args()
-        self._disk_problem = await asyncio.to_thread(disk.probe, self.state_dir)
-        if self._disk_problem is not None:
-            log.warning(
-                "runtime.disk_quota_unavailable worker=%s (%s): /workspace and /tmp are not "
-                "size-limited on this host; disk_quota is reported false",
-                self.worker_name,
-                self._disk_problem,
-            )
-        try:
-            self._file_limits = fds.host_file_limits()
-        except (OSError, ValueError) as exc:
-            raise WorkerError(f"cannot read the host's file table size: {exc}") from exc
+        self._root_args = bwrap_host.root_args(self._etc_args)
+        self._disk_problem = await bwrap_host.probe_disk(self.state_dir, self.worker_name)
+        self._file_limits = bwrap_host.file_limits()
         self._prepared = True
         log.info("runtime.prepared worker=%s features=%s", self.worker_name, self.features())
-
-    async def _check_bwrap_version(self) -> None:
-        proc = await asyncio.create_subprocess_exec(
-            self._bwrap,
-            "--version",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        out, _ = await proc.communicate()
-        m = re.search(rb"(\d+)\.(\d+)\.(\d+)", out)
-        version = tuple(int(x) for x in m.groups()) if m else (0, 0, 0)
-        if version < MIN_BWRAP:
-            raise WorkerError(
-                f"bubblewrap {'.'.join(map(str, version))} is too old (need "
-                f"{'.'.join(map(str, MIN_BWRAP))} for --disable-userns)"
-            )
-
-    def _check_uid_range(self) -> None:
-        """The leased uids must belong to nobody else on the host."""
-        lo, hi = self.uids.base, self.uids.base + self.uids.count
-        taken = [f"user {u.pw_name} ({u.pw_uid})" for u in pwd.getpwall() if lo <= u.pw_uid < hi]
-        taken += [f"group {g.gr_name} ({g.gr_gid})" for g in grp.getgrall() if lo <= g.gr_gid < hi]
-        if taken:
-            raise WorkerError(
-                f"the sandbox uid range [{lo}, {hi}) overlaps host accounts: "
-                f"{', '.join(taken[:5])}; choose another uid base"
-            )
-
-    def _write_etc(self) -> None:
-        self.etc_dir.mkdir(mode=0o755, exist_ok=True)
-        os.chmod(self.etc_dir, 0o755)
-        files = {
-            "passwd": (
-                "root:x:0:0:root:/root:/usr/sbin/nologin\n"
-                f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}::/workspace:/bin/bash\n"
-                "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-            ),
-            "group": f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n",
-            "hosts": "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n",
-            "nsswitch.conf": (
-                "passwd: files\ngroup: files\nshadow: files\n"
-                "hosts: files dns\nnetworks: files\nprotocols: files\nservices: files\n"
-            ),
-        }
-        if self.allow_network:
-            try:
-                files["resolv.conf"] = Path("/etc/resolv.conf").read_text()
-            except OSError:
-                files["resolv.conf"] = ""
-        for name, content in files.items():
-            _write_file(self.etc_dir / name, content)
-        stale = self.etc_dir / "resolv.conf"
-        if not self.allow_network and stale.exists():
-            stale.unlink()
-        args = ["--dir", "/etc"]
-        for name in sorted(files):
-            args += ["--ro-bind", str(self.etc_dir / name), f"/etc/{name}"]
-        for name in HOST_ETC:
-            host = Path("/etc") / name
-            if host.exists():
-                args += ["--ro-bind", str(host), str(host)]
-        self._etc_args = args
-
-    def _build_root_args(self) -> list[str]:
-        args = ["--tmpfs", "/", "--ro-bind", "/usr", "/usr"]
-        for name in ROOT_LINKS:
-            host = Path("/") / name
-            if host.is_symlink():
-                args += ["--symlink", os.readlink(host), str(host)]
-            elif host.is_dir():
-                args += ["--ro-bind", str(host), str(host)]
-        args += self._etc_args
-        args += ["--dev", "/dev", "--proc", "/proc"]
-        return args
 
     # ------------------------------------------------------------------ start
 
