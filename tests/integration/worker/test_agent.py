@@ -352,12 +352,13 @@ def test_exec_timeout_when_the_command_closed_its_pipes(agent: Agent) -> None:
 
 
 def test_background_child_holding_stdout_does_not_hang(agent: Agent) -> None:
-    started = time.monotonic()
-    result = agent.exec("sleep 5 & echo hi")
-    assert time.monotonic() - started < 2
+    marker = _marker()
+    # had the exec waited for the child's stdout to close, its timeout would have fired
+    result = agent.exec(f"sh -c 'sleep 100; : {marker}' & echo hi", timeout=30)
     assert result["stdout"] == "hi\n"
     assert result["exit_code"] == 0
     assert result["timed_out"] is False
+    assert _wait_until(lambda: _running(marker))  # answered while the child holds stdout
 
 
 def test_output_cap(agent: Agent) -> None:

@@ -273,12 +273,15 @@ def test_a_read_waits_without_stalling_other_requests(agent: Client) -> None:
     reader = threading.Thread(
         target=lambda: answers.append(agent.call("proc_read", pid=pid, offset=0, wait=1.5)[0])
     )
+    read_id = agent._next_id + 1
     started = time.monotonic()
     reader.start()
-    time.sleep(0.1)
+    # sent under the send lock it is registered under: the ping goes after it on the pipe
+    assert _wait_until(lambda: read_id in agent._pending), "the read was not sent"
     agent.ok("ping")
-    assert time.monotonic() - started < 1.0  # answered while the read was waiting
+    assert read_id in agent._pending  # answered while the read was waiting (not answered yet)
     reader.join(10)
+    # the point of the test: the read waits its whole wait (a lower bound, never flaky)
     assert time.monotonic() - started >= 1.4
     assert answers[0]["chunks"] == [] and answers[0]["exited"] is False
     assert answers[0]["next_offset"] == 0
@@ -365,7 +368,11 @@ def test_output_beyond_the_buffer(agent: Client) -> None:
 
 def test_a_live_follower_never_gets_more_than_a_mebibyte(agent: Client) -> None:
     pid = agent.start("head -c 3000000 /dev/zero; sleep 0.5")
-    time.sleep(0.3)
+
+    def produced() -> bool:  # all 3 MB are in (the buffer keeps the last MiB of them)
+        return int(agent.call("proc_read", pid=pid, offset=0, wait=0)[0]["next_offset"]) >= 3000000
+
+    assert _wait_until(produced), "the output was not produced"
     header, body = agent.call("proc_read", pid=pid, offset=0, wait=5)
     assert 0 < len(body) <= MiB
     assert header["next_offset"] - header["first_offset"] == len(body)
