@@ -32,7 +32,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -42,6 +41,8 @@ from pathlib import Path
 import httpx
 from bench import free_port, pct, sandgate, summary  # type: ignore[import-not-found]
 from multi import admin, metric  # type: ignore[import-not-found]
+
+from sandgate.cli import launch
 
 STATEMENTS = "sandgate_store_statements_total"
 HIGH = "100000"  # every limit configured, none ever reached
@@ -72,13 +73,6 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
         proc.wait()
 
 
-def log_tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/test")
@@ -102,7 +96,6 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     server: subprocess.Popen[bytes] | None = None
     worker: subprocess.Popen[bytes] | None = None
-    log = open(log_path, "ab")  # closed in finally
     try:
         admin(args.pg, f"CREATE DATABASE {database}")
         sandgate("migrate", "--db", db)
@@ -115,39 +108,32 @@ def main() -> None:
         )  # fmt: skip
 
         def start_server(admission: bool) -> subprocess.Popen[bytes]:
-            proc = subprocess.Popen(
-                [
-                    sys.executable, "-m", "sandgate", "server", "--db", db,
-                    "--port", str(port), "--node-url", url,
+            proc = launch.start(
+                launch.server_argv(
+                    "--db", db, "--port", str(port), "--node-url", url,
                     "--secret-file", str(work / "secret"), "--log-level", "WARNING",
                     "--admission" if admission else "--no-admission",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+                ),
+                log=log_path,
             )  # fmt: skip
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    if httpx.get(f"{url}/healthz").status_code == 200:
-                        return proc
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    stop(proc)
-                    raise SystemExit(f"server did not start:\n{log_tail(log_path)}")
-                time.sleep(0.05)
+            try:
+                launch.wait_healthy(url, proc, log=log_path, what="the server")
+            except launch.LaunchError as exc:
+                stop(proc)
+                raise SystemExit(str(exc)) from None
+            return proc
 
         def wait_for_worker(client: httpx.Client) -> None:
             """Connected, and its tunnel held by this very instance (not a stale record)."""
-            deadline = time.monotonic() + 30
-            while True:
-                workers = client.get("/api/v1/workers").json()["workers"]
-                if any(w["connected"] for w in workers) and metric(url, "sandgate_tunnels") >= 1:
-                    return
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"worker did not connect:\n{log_tail(log_path)}")
-                time.sleep(0.05)
+            try:
+                launch.wait_for(
+                    lambda: launch.worker_listed(client) and metric(url, "sandgate_tunnels") >= 1,
+                    what="the worker",
+                    proc=worker,
+                    log=log_path,
+                )
+            except launch.LaunchError as exc:
+                raise SystemExit(str(exc)) from None
 
         on = Series("ON, all limits set")
         bare = Series("ON, tenant without limits")
@@ -157,16 +143,13 @@ def main() -> None:
             for admission, measured in rounds:
                 server = start_server(admission)
                 if worker is None:
-                    worker = subprocess.Popen(
-                        [
-                            sys.executable, "-m", "sandgate", "worker", "--server", url,
-                            "--name", "bench", "--runtime", args.runtime, "--capacity", "128",
-                            "--state-dir", str(state_dir), "--log-level", "WARNING",
-                        ],
-                        env={**os.environ, "SANDGATE_TOKEN": token},
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
+                    worker = launch.start(
+                        launch.worker_argv(
+                            url, "bench", runtime=args.runtime, capacity=128,
+                            state_dir=state_dir, extra=("--log-level", "WARNING"),
+                        ),
+                        log=log_path,
+                        env=launch.child_env(token=token),
                     )  # fmt: skip
                 clients = {
                     key: httpx.Client(
@@ -202,7 +185,6 @@ def main() -> None:
     finally:
         stop(server)
         stop(worker)
-        log.close()
         shutil.rmtree(state_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
         admin(args.pg, f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from sandgate.cli import launch
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -139,63 +141,29 @@ def main() -> None:
     token = sandgate("keys", "create", "--db", db, "--worker")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(work / "bench.log", "ab")
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sandgate",
-            "server",
-            "--db",
-            db,
-            "--port",
-            str(port),
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    log = work / "bench.log"
+    server = launch.start(
+        launch.server_argv("--db", db, "--port", str(port), "--log-level", "WARNING"), log=log
     )
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sandgate",
-            "worker",
-            "--server",
+    worker = launch.start(
+        launch.worker_argv(
             url,
-            "--name",
             "bench",
-            "--runtime",
-            args.runtime,
-            "--capacity",
-            "64",
-            "--state-dir",
-            str(state_dir),
-            "--log-level",
-            "WARNING",
-        ],
-        env={**os.environ, "SANDGATE_TOKEN": token},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+            runtime=args.runtime,
+            capacity=64,
+            state_dir=state_dir,
+            extra=("--log-level", "WARNING"),
+        ),
+        log=log,
+        env=launch.child_env(token=token),
     )
     headers = {"Authorization": f"Bearer {key}"}
     try:
+        try:
+            launch.wait_worker(url, key, proc=worker, log=log, interval=0.1, what="the worker")
+        except launch.LaunchError as exc:
+            raise SystemExit(str(exc)) from None
         with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                try:
-                    workers = client.get("/api/v1/workers").json()["workers"]
-                    if any(w["connected"] for w in workers):
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
-            else:
-                raise SystemExit(f"worker did not connect; see {work / 'bench.log'}")
-
             print(
                 f"sandgate bench  runtime={args.runtime}  cpus={os.cpu_count()}  load={os.getloadavg()[0]:.2f}"
             )

@@ -20,7 +20,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,6 +28,8 @@ from pathlib import Path
 
 import httpx
 from bench import free_port, pct, sandgate, summary  # type: ignore[import-not-found]
+
+from sandgate.cli import launch
 
 
 def metric(url: str, name: str) -> float:
@@ -62,80 +63,47 @@ def main() -> None:
         key = sandgate("keys", "create", "--db", db, "--tenant", "bench")
         token = sandgate("keys", "create", "--db", db, "--worker")
         urls = []
-        with open(work / "bench.log", "ab") as log:
-            for _ in range(2):
-                port = free_port()
-                url = f"http://127.0.0.1:{port}"
-                urls.append(url)
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "sandgate",
-                            "server",
-                            "--db",
-                            db,
-                            "--port",
-                            str(port),
-                            "--node-url",
-                            url,
-                            "--secret-file",
-                            str(work / "secret"),
-                            "--log-level",
-                            "WARNING",
-                        ],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-            a, b = urls
-            for url in urls:
-                deadline = time.monotonic() + 30
-                while True:
-                    try:
-                        if httpx.get(f"{url}/healthz").status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise SystemExit(f"instance {url} did not start; see {work / 'bench.log'}")
-                    time.sleep(0.1)
+        log = work / "bench.log"
+        for _ in range(2):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            urls.append(url)
             procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "sandgate",
-                        "worker",
-                        "--server",
-                        a,
-                        "--name",
-                        "bench",
-                        "--runtime",
-                        args.runtime,
-                        "--capacity",
-                        "128",
-                        "--state-dir",
-                        str(state_dir),
-                        "--log-level",
-                        "WARNING",
-                    ],
-                    env={**os.environ, "SANDGATE_TOKEN": token},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
+                launch.start(
+                    launch.server_argv(
+                        "--db", db, "--port", str(port), "--node-url", url,
+                        "--secret-file", str(work / "secret"), "--log-level", "WARNING",
+                    ),
+                    log=log,
                 )
+            )  # fmt: skip
+        a, b = urls
+        try:
+            for url, proc in zip(urls, procs, strict=True):
+                launch.wait_healthy(url, proc, log=log, interval=0.1, what=f"instance {url}")
+        except launch.LaunchError as exc:
+            raise SystemExit(str(exc)) from None
+        procs.append(
+            launch.start(
+                launch.worker_argv(
+                    a,
+                    "bench",
+                    runtime=args.runtime,
+                    capacity=128,
+                    state_dir=state_dir,
+                    extra=("--log-level", "WARNING"),
+                ),
+                log=log,
+                env=launch.child_env(token=token),
             )
+        )
         headers = {"Authorization": f"Bearer {key}"}
         ca = httpx.Client(base_url=a, headers=headers, timeout=60)
         cb = httpx.Client(base_url=b, headers=headers, timeout=60)
-        deadline = time.monotonic() + 30
-        while not any(w["connected"] for w in cb.get("/api/v1/workers").json()["workers"]):
-            if time.monotonic() > deadline:
-                raise SystemExit("worker did not connect")
-            time.sleep(0.1)
+        try:
+            launch.wait_worker(b, key, proc=procs[-1], log=log, interval=0.1, what="the worker")
+        except launch.LaunchError as exc:
+            raise SystemExit(str(exc)) from None
 
         print(
             f"sandgate multi-instance bench  runtime={args.runtime}  load={os.getloadavg()[0]:.2f}"

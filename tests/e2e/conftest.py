@@ -35,7 +35,8 @@ import httpx
 import pytest
 from sqlalchemy import make_url
 
-from tests.integration.api.conftest import free_port, sandgate, wait_until
+from sandgate.cli import launch as launcher
+from tests.integration.api.conftest import free_port, sandgate
 
 RUNTIME = os.environ.get("SANDGATE_E2E_RUNTIME", "process")
 RECOVERY_AFTER = 5.0  # --recovery-after of the healthy instances
@@ -153,27 +154,15 @@ class Cluster:
 
     def launch(self, inst: Instance) -> None:
         """(Re)start an instance's process with its arguments, on its port; wait until up."""
-        environ = {k: v for k, v in os.environ.items() if k != "SANDGATE_FAULTS"}
-        with open(inst.log, "ab") as log:
-            inst.proc = subprocess.Popen(
-                [sys.executable, "-m", "sandgate", "server", *inst.args],
-                env={**environ, **inst.env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        env = {**launcher.child_env(faults=""), **inst.env}
+        inst.proc = launcher.start(launcher.server_argv(*inst.args), log=inst.log, env=env)
         inst.starts += 1
-        proc = inst.proc
-
-        def up() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(
-                    f"instance {inst.name} exited with {proc.returncode} at start:\n"
-                    + tail(inst.log)
-                )
-            return httpx.get(f"{inst.url}/healthz", timeout=1).status_code == 200
-
-        wait_until(up, timeout=30, what=f"instance {inst.name} up")
+        try:
+            launcher.wait_healthy(
+                inst.url, inst.proc, log=inst.log, probe_timeout=1, what=f"instance {inst.name}"
+            )
+        except launcher.LaunchError as exc:
+            raise AssertionError(str(exc)) from None  # a test restarting a dying one retries
 
     def stop_instance(self, name: str, sig: int = signal.SIGTERM) -> None:
         inst = self.instances.pop(name)
@@ -197,29 +186,14 @@ class Cluster:
         env["SANDGATE_TOKEN"] = token or self.worker_token
         if faults:
             env["SANDGATE_FAULTS"] = faults
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "sandgate",
-                    "worker",
-                    "--server",
-                    server_url or via.url,
-                    "--name",
-                    name,
-                    "--runtime",
-                    RUNTIME,
-                    "--capacity",
-                    str(capacity),
-                    "--state-dir",
-                    str(self.state_dir / name),
-                ],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        argv = launcher.worker_argv(
+            server_url or via.url,
+            name,
+            runtime=RUNTIME,
+            capacity=capacity,
+            state_dir=self.state_dir / name,
+        )
+        proc = launcher.start(argv, log=log_path, env=env)
         if name == WORKER:
             self.worker, self.worker_log = proc, log_path
         else:
@@ -228,13 +202,8 @@ class Cluster:
         return proc
 
     def wait_connected(self, inst: Instance, name: str = WORKER, timeout: float = 30) -> None:
-        with self.client(inst) as c:
-
-            def ok() -> bool:
-                workers = c.get("/api/v1/workers").json()["workers"]
-                return any(w["name"] == name and w["connected"] for w in workers)
-
-            wait_until(ok, timeout=timeout, what=f"worker {name} connected to {inst.name}")
+        what = f"worker {name} connected to {inst.name}"
+        launcher.wait_worker(inst.url, self.key, name, timeout=timeout, what=what)
 
     # -- clients and the store ---------------------------------------------------------------
     def client(self, inst: Instance | str, timeout: float = 60.0) -> httpx.Client:

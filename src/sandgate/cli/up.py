@@ -26,6 +26,7 @@ from typing import cast
 import uvicorn
 from fastapi import FastAPI
 
+from sandgate.cli.launch import child_env, start_async, worker_argv
 from sandgate.cli.serve import make_server
 from sandgate.config import ServerSettings
 
@@ -165,8 +166,6 @@ async def _serve(server: uvicorn.Server) -> None:
 async def _up(
     db: str, port: int, host: str, data_dir: Path, runtime: str, capacity: int, state_dir: Path
 ) -> int:
-    from sandgate.worker.main import PARENT_PID_ENV
-
     api_key, token = await _credentials(db, data_dir)
     secret, _ = _secret_file(data_dir / "secret", secrets.token_urlsafe(32))
     settings = ServerSettings(db_url=db, host=host, port=port, secret=secret)
@@ -184,9 +183,8 @@ async def _up(
         await asyncio.sleep(0.02)
     url = f"http://{host}:{port}"
     _save_url(data_dir, url)
-    argv = [sys.executable, "-m", "sandgate", "worker", "--server", url, "--name", "local"]
-    argv += ["--runtime", runtime, "--capacity", str(capacity), "--state-dir", str(state_dir)]
-    env = dict(os.environ, SANDGATE_TOKEN=token, **{PARENT_PID_ENV: str(os.getpid())})
+    argv = worker_argv(url, "local", runtime=runtime, capacity=capacity, state_dir=state_dir)
+    env = child_env(token=token)
     supervisor = asyncio.create_task(_supervise(argv, env, stop))
     # the banner says "try it": so the worker is attached first, and the first try works
     if not await _worker_attached(server, supervisor, WORKER_ATTACH_TIMEOUT):
@@ -227,7 +225,7 @@ async def _supervise(argv: list[str], env: dict[str, str], stop: asyncio.Event) 
         try:
             # a session of its own: a Ctrl-C in the terminal reaches only `up`, which stops the
             # worker in order; it dies with `up` all the same (PR_SET_PDEATHSIG)
-            worker = await asyncio.create_subprocess_exec(*argv, env=env, start_new_session=True)
+            worker = await start_async(argv, env=env, die_with_parent=True)
         except OSError as exc:
             log.error("up.worker_spawn_failed", extra={"error": str(exc)})
             code: int | None = None

@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sandgate.cli import launch
+
 RUNTIME = os.environ.get("SANDGATE_TEST_RUNTIME", "bwrap")
 
 
@@ -92,44 +94,23 @@ class Deployment:
         args: tuple[str, ...] = (),
     ) -> None:
         """`server_url`: where the worker dials (default the server; a fault proxy in tests)."""
-        env = {k: v for k, v in os.environ.items() if k != "SANDGATE_FAULTS"}
-        env["SANDGATE_TOKEN"] = self.worker_token
-        if faults:
-            env["SANDGATE_FAULTS"] = faults
-        with open(self.data_dir / f"worker-{name}.log", "ab") as log:
-            self.worker = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "sandgate",
-                    "worker",
-                    "--server",
-                    server_url or self.url,
-                    "--name",
-                    name,
-                    "--runtime",
-                    RUNTIME,
-                    "--capacity",
-                    str(capacity),
-                    "--state-dir",
-                    str(self.state_dir),
-                    *args,
-                ],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self.wait_worker(name, connected=True)
+        log = self.data_dir / f"worker-{name}.log"
+        argv = launch.worker_argv(
+            server_url or self.url,
+            name,
+            runtime=RUNTIME,
+            capacity=capacity,
+            state_dir=self.state_dir,
+            extra=args,
+        )
+        env = launch.child_env(token=self.worker_token, faults=faults)
+        self.worker = launch.start(argv, log=log, env=env)
+        launch.wait_worker(
+            self.url, self.keys["alpha"], name, proc=self.worker, log=log, timeout=20
+        )
 
     def wait_worker(self, name: str, *, connected: bool) -> None:
-        with self.client() as c:
-
-            def ok() -> bool:
-                workers = c.get("/api/v1/workers").json()["workers"]
-                return any(w["name"] == name and w["connected"] == connected for w in workers)
-
-            wait_until(ok, what=f"worker {name} connected={connected}")
+        launch.wait_worker(self.url, self.keys["alpha"], name, connected=connected, timeout=20)
 
     def stop_worker(self, sig: int = signal.SIGTERM) -> None:
         if self.worker is not None and self.worker.poll() is None:
@@ -167,24 +148,11 @@ def start_deployment(
         worker_token=token,
         admin_key=admin_key,
     )
-    with open(data_dir / "server.log", "ab") as log:
-        dep.server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "sandgate",
-                "server",
-                "--db",
-                db,
-                "--port",
-                str(port),
-                *server_args,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    wait_until(lambda: httpx.get(f"{dep.url}/healthz").status_code == 200, what="server up")
+    log = data_dir / "server.log"
+    dep.server = launch.start(
+        launch.server_argv("--db", db, "--port", str(port), *server_args), log=log
+    )
+    launch.wait_healthy(dep.url, dep.server, log=log, timeout=20, what="server up")
     if worker:
         dep.start_worker()
     return dep
