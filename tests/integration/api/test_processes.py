@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.integration.api.conftest import Deployment
+from tests.integration.api.conftest import Deployment, wait_until
 
 
 def procs(name: str) -> str:
@@ -157,7 +157,7 @@ def test_late_follower_of_a_large_output_learns_what_was_dropped(
     pid = alpha.post(
         procs(sandbox), json={"command": "head -c 3000000 /dev/zero | tr '\\0' x"}
     ).json()["pid"]
-    time.sleep(1.5)
+    wait_exited(alpha, sandbox, pid)  # late: all of it was written before anyone followed
     events = follow(alpha, sandbox, pid)
     dropped = [d for e, d, _ in events if e == "dropped"]
     assert dropped and dropped[0]["bytes"] >= 3000000 - (1 << 20)
@@ -185,12 +185,12 @@ def test_other_tenant_cannot_touch_processes(
 
 def test_follow_false_returns_what_is_there(alpha: httpx.Client, sandbox: str) -> None:
     pid = alpha.post(procs(sandbox), json={"command": "echo first; sleep 300"}).json()["pid"]
-    time.sleep(0.5)
-    started = time.monotonic()
-    events = follow(alpha, sandbox, pid, follow=0)
-    assert time.monotonic() - started < 5
+    with alpha.stream("GET", f"{procs(sandbox)}/{pid}/stream") as live:  # until "first" is out
+        assert any(e == "stdout" for e, _, _ in sse(live)), "the stream ended before any output"
+    events = follow(alpha, sandbox, pid, follow=0)  # returns though the process runs 300 s
     assert text_of(events) == "first\n"
     assert all(e != "exit" for e, _, _ in events)
+    assert alpha.get(f"{procs(sandbox)}/{pid}").json()["state"] == "running"
     alpha.post(f"{procs(sandbox)}/{pid}/signal", json={"signal": "KILL"})
 
 
@@ -206,9 +206,15 @@ def test_terminals_are_marked_in_the_list(
             deployment.url.replace("http://", "ws://") + f"/api/v1/sandboxes/{sandbox}/toolbox/pty"
         )
         headers = {"Authorization": f"Bearer {deployment.keys['alpha']}"}
+        listed: list[dict] = []  # type: ignore[type-arg]
+
+        def terminal_listed() -> bool:
+            listed[:] = alpha.get(procs(sandbox)).json()["processes"]
+            return any(p["terminal"] for p in listed)
+
         async with connect(url, additional_headers=headers):
-            await asyncio.sleep(0.3)
-            return await asyncio.to_thread(lambda: alpha.get(procs(sandbox)).json()["processes"])
+            await asyncio.to_thread(wait_until, terminal_listed, what="the terminal listed")
+            return listed
 
     listed = asyncio.run(with_terminal())
     assert any(p["terminal"] for p in listed)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from tests.integration.api.conftest import Deployment
+from tests.integration.api.conftest import Deployment, wait_until
 
 
 def ws_url(dep: Deployment, name: str, **query: str) -> str:
@@ -65,19 +64,23 @@ def test_echo_resize_and_exit(deployment: Deployment, sandbox: str) -> None:
 def test_closing_the_socket_ends_the_shell(
     deployment: Deployment, alpha: httpx.Client, sandbox: str
 ) -> None:
+    def markers() -> str:
+        left = alpha.post(
+            f"/api/v1/sandboxes/{sandbox}/execute",
+            json={"code": "ps -eo args | grep -c '[p]ty-marker' || true"},
+        )
+        return str(left.json()["stdout"].strip())
+
     async def session() -> None:
         headers = {"Authorization": f"Bearer {deployment.keys['alpha']}"}
         async with connect(ws_url(deployment, sandbox), additional_headers=headers) as ws:
             await ws.send(b"exec -a pty-marker-sleep sleep 300\r")
-            await asyncio.sleep(0.5)
+            await asyncio.to_thread(
+                wait_until, lambda: markers() == "1", what="the shell exec'd the marker"
+            )
 
     asyncio.run(session())
-    time.sleep(1.5)
-    left = alpha.post(
-        f"/api/v1/sandboxes/{sandbox}/execute",
-        json={"code": "ps -eo args | grep -c '[p]ty-marker' || true"},
-    )
-    assert left.json()["stdout"].strip() == "0"
+    wait_until(lambda: markers() == "0", what="the marker gone after the socket closed")
 
 
 def test_tokens(
@@ -103,8 +106,9 @@ def test_tokens(
         assert asyncio.run(open_with(other, token)) == 401  # for one sandbox only
     finally:
         alpha.delete(f"/api/v1/sandboxes/{other}")
-    time.sleep(1.2)
-    assert asyncio.run(open_with(sandbox, token)) == 401  # expired
+    wait_until(  # expired: the token's ttl is 1 s
+        lambda: asyncio.run(open_with(sandbox, token)) == 401, what="the token expired"
+    )
     assert asyncio.run(open_with(sandbox, token[:-2] + "xx")) == 401  # forged
 
 
