@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sandgate.control.workers import utcnow
+from sandgate.core.clock import utcnow
 from sandgate.store.base import TenantLimits
 from tests.fast.conftest import Fast, fast_deployment, until
 

@@ -107,8 +107,7 @@ def keys_create(
 async def _create_key(
     db: str, tenant: str | None, worker_name: str = "", *, admin: bool = False
 ) -> str:
-    from datetime import UTC, datetime
-
+    from sandgate.core.clock import utcnow
     from sandgate.core.credentials import key_hash, new_key
     from sandgate.store.base import ApiKey
     from sandgate.store.sql import open_store
@@ -120,17 +119,17 @@ async def _create_key(
             record = await store.ensure_tenant(tenant)
             key = new_key("tenant")
             await store.add_api_key(
-                ApiKey(key_hash(key), "tenant", record.id, datetime.now(UTC), label=tenant)
+                ApiKey(key_hash(key), "tenant", record.id, utcnow(), label=tenant)
             )
         elif admin:
             key = new_key("admin")
             await store.add_api_key(
-                ApiKey(key_hash(key), "admin", None, datetime.now(UTC), label=worker_name)
+                ApiKey(key_hash(key), "admin", None, utcnow(), label=worker_name)
             )
         else:
             key = new_key("worker")
             await store.add_api_key(
-                ApiKey(key_hash(key), "worker", None, datetime.now(UTC), label=worker_name)
+                ApiKey(key_hash(key), "worker", None, utcnow(), label=worker_name)
             )
         return key
     finally:
@@ -172,8 +171,7 @@ async def _set_limits(
     max_sandboxes: int | None,
     max_exec_jobs: int | None,
 ) -> str:
-    from datetime import UTC, datetime
-
+    from sandgate.core.clock import utcnow
     from sandgate.store.base import TenantLimits
     from sandgate.store.sql import open_store
 
@@ -182,7 +180,7 @@ async def _set_limits(
     try:
         record = await store.ensure_tenant(tenant)
         limits = TenantLimits(record.id, rps, burst, max_sandboxes, max_exec_jobs)
-        await store.set_tenant_limits(limits, datetime.now(UTC))
+        await store.set_tenant_limits(limits, utcnow())
     finally:
         await store.aclose()
     parts = [

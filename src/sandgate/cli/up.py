@@ -19,7 +19,6 @@ import signal
 import socket
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import cast
 
@@ -114,6 +113,7 @@ def _save_url(data_dir: Path, url: str) -> None:
 
 
 async def _credentials(db: str, data_dir: Path) -> tuple[str, str]:
+    from sandgate.core.clock import utcnow
     from sandgate.core.credentials import key_hash, new_key
     from sandgate.store import migrate
     from sandgate.store.base import ApiKey
@@ -126,11 +126,11 @@ async def _credentials(db: str, data_dir: Path) -> tuple[str, str]:
         api_key, new_api = _secret_file(data_dir / "api-key", new_key("tenant"))
         if new_api or await store.find_api_key(key_hash(api_key)) is None:
             await store.add_api_key(
-                ApiKey(key_hash(api_key), "tenant", tenant.id, datetime.now(UTC), label="default")
+                ApiKey(key_hash(api_key), "tenant", tenant.id, utcnow(), label="default")
             )
         token, new_token = _secret_file(data_dir / "worker-token", new_key("worker"))
         if new_token or await store.find_api_key(key_hash(token)) is None:
-            await store.add_api_key(ApiKey(key_hash(token), "worker", None, datetime.now(UTC)))
+            await store.add_api_key(ApiKey(key_hash(token), "worker", None, utcnow()))
         return api_key, token
     finally:
         await store.aclose()

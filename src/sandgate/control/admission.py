@@ -24,12 +24,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
 
 from sandgate.config import ServerSettings
 from sandgate.core import breaker
 from sandgate.core.breaker import BreakerPolicy, BreakerRecord
+from sandgate.core.clock import utcnow
 from sandgate.errors import (
     AtCapacityError,
     LimitExceededError,
@@ -59,10 +60,6 @@ QUOTA_RETRY = 5.0
 RECENT_TIMEOUTS = 20  # shown by GET /api/v1/admission
 
 Disconnected = Callable[[], Awaitable[bool]]
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission, Disconnected
 from sandgate.control.delivery import Delivery
 from sandgate.control.sandboxes import SandboxService
-from sandgate.control.workers import Placement, WorkerRegistry, utcnow
+from sandgate.control.workers import Placement, WorkerRegistry
 from sandgate.core import idempotency
+from sandgate.core.clock import utcnow
 from sandgate.core.names import new_sandbox_name
 from sandgate.errors import (
     AtCapacityError,

@@ -17,7 +17,8 @@ from datetime import timedelta
 from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission
 from sandgate.control.sandboxes import DESTROY_WAIT, SandboxService
-from sandgate.control.workers import WorkerRegistry, utcnow
+from sandgate.control.workers import WorkerRegistry
+from sandgate.core.clock import utcnow
 from sandgate.errors import (
     ConflictError,
     InvalidRequestError,

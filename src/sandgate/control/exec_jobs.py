@@ -21,8 +21,8 @@ from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.toolbox import Toolbox
-from sandgate.control.workers import utcnow
 from sandgate.core import idempotency
+from sandgate.core.clock import utcnow
 from sandgate.errors import (
     IdempotencyConflictError,
     IdempotencyMismatchError,

@@ -27,7 +27,7 @@ from datetime import datetime, timedelta
 
 from sandgate.control.create import CreatePipeline
 from sandgate.control.exec_jobs import OVERDUE_GRACE
-from sandgate.control.workers import utcnow
+from sandgate.core.clock import utcnow
 from sandgate.store.base import OVERDUE_EXEC_JOB, Store
 
 log = logging.getLogger(__name__)

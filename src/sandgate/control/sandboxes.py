@@ -8,7 +8,8 @@ import logging
 from dataclasses import replace
 from datetime import timedelta
 
-from sandgate.control.workers import WorkerRegistry, utcnow
+from sandgate.control.workers import WorkerRegistry
+from sandgate.core.clock import utcnow
 from sandgate.errors import (
     ConflictError,
     NotFoundError,

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-from sandgate.control.workers import utcnow
+from sandgate.core.clock import utcnow
 from sandgate.core.loops import Backoff, LoopHealth
 
 log = logging.getLogger(__name__)

@@ -8,12 +8,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sandgate.agent.frames import Header
 from sandgate.control.peers import PeerClient
 from sandgate.core import placement
+from sandgate.core.clock import utcnow
 from sandgate.core.loops import LoopHealth
 from sandgate.errors import (
     AtCapacityError,
@@ -35,10 +36,6 @@ log = logging.getLogger(__name__)
 PROBE_LEAD = 3.0  # a request still unanswered this long before its end pings the link...
 PROBE_GRACE = 0.5  # ...and the answer to that ping may come this long after the end
 OWNER_RENEWAL = "owner-renewal"  # the loop renewing a worker's tunnel owner, per worker
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 @dataclass(frozen=True)

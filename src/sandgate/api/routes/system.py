@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from sandgate.api.deps import Services, Viewer, presented_key, resolve_key, services, viewer
-from sandgate.control.workers import utcnow
+from sandgate.core.clock import utcnow
 from sandgate.errors import AuthError, StoreError
 from sandgate.tunnel.hub import serve_tunnel
 

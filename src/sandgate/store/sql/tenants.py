@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
 from typing import Final
 
 from sqlalchemy import bindparam, insert, or_, select, update
 
+from sandgate.core.clock import utcnow
 from sandgate.errors import StoreError
 from sandgate.store.base import ApiKey, Tenant, TenantId
 from sandgate.store.ops import store_op
@@ -49,7 +49,7 @@ class Tenants:
             # with the one row, and on SQLite the transaction starts with its write.
             await conn.execute(
                 self._insert_tenant,
-                {"id": uuid.uuid4().hex, "name": name, "created_at": datetime.now(UTC)},
+                {"id": uuid.uuid4().hex, "name": name, "created_at": utcnow()},
             )
             row = (await conn.execute(_SELECT_TENANT_BY_NAME, {"b_name": name})).first()
         if row is None:  # pragma: no cover - the row was just written or already there
