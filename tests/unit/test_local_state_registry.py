@@ -1,8 +1,11 @@
-"""Every piece of in-process state has its row in `sandgate.local_state.STATE_TABLE`.
+"""Every piece of in-process state has its row in the one table, `sandgate state-table`'s.
 
-Walks the package with `ast`: module-level and class-level mutable containers, locks and
-futures are refused outright (they belong in `local_state.py`); mutable containers that an
-object keeps on `self` must be named in the table, with what happens under N instances.
+The rows live with their packages (`control/state.py`, `worker/state.py`, `local_state.py`)
+and `sandgate.cli.state_table.STATE_TABLE` puts them together. Walks the package with `ast`:
+module-level and class-level mutable containers, locks and futures are refused outright (they
+belong in a registry, `ServerLocalState` or `WorkerLocalState`; the tables of rows are
+read-only mappings); mutable containers that an object keeps on `self` must be named in the
+table, with what happens under N instances.
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ import ast
 import re
 from pathlib import Path
 
-from sandgate.local_state import (
-    AGENT_GROWTH,
+from sandgate.cli.state_table import (
+    STATE_PARTS,
     STATE_TABLE,
     registered_fields,
     state_doc,
     state_table_markdown,
 )
+from sandgate.local_state import AGENT_GROWTH
 from sandgate.store.schema import metadata
 from sandgate.store.sql.retention import STORE_GROWTH
 
@@ -74,8 +78,6 @@ def is_mutable(node: ast.expr | None) -> bool:
 def module_and_class_state() -> list[str]:
     found = []
     for path in sources(agent=True):
-        if path.name == "local_state.py":
-            continue
         tree = ast.parse(path.read_text(), str(path))
         scopes: list[tuple[str, list[ast.stmt]]] = [("", tree.body)]
         scopes += [(f"{n.name}.", n.body) for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
@@ -113,7 +115,7 @@ def test_no_module_or_class_level_mutable_state() -> None:
     offenders = [f for f in module_and_class_state() if f.split(":")[0] not in dataclass_fields_ok]
     # dataclass `field(default_factory=...)` on frozen records is per-object, not shared state
     offenders = [f for f in offenders if not _is_dataclass_field(f)]
-    assert offenders == [], f"mutable module/class state outside local_state.py: {offenders}"
+    assert offenders == [], f"mutable module/class state outside the registries: {offenders}"
 
 
 def _is_dataclass_field(location: str) -> bool:
@@ -130,6 +132,12 @@ def test_every_instance_state_has_a_row() -> None:
 
 def test_every_registered_field_has_a_row() -> None:
     assert set(registered_fields()) <= set(STATE_TABLE)
+
+
+def test_the_table_lists_every_package_row_once() -> None:
+    """The one table is the packages' rows, none shadowing another's."""
+    assert sum(len(part) for part in STATE_PARTS) == len(STATE_TABLE)
+    assert [name for part in STATE_PARTS for name in part] == list(STATE_TABLE)
 
 
 def test_no_stale_rows() -> None:

@@ -31,12 +31,12 @@ from sandgate.control.peers import PeerClient
 from sandgate.control.reaper import Reaper
 from sandgate.control.recovery import TIMEOUTS_KEPT, Recovery
 from sandgate.control.sandboxes import SandboxService
+from sandgate.control.state import ServerLocalState
 from sandgate.control.supervisor import Loop, Supervisor
 from sandgate.control.toolbox import Toolbox
 from sandgate.control.workers import WorkerRegistry
 from sandgate.errors import TunnelUnavailableError
 from sandgate.faults import FAULTS
-from sandgate.local_state import ServerLocalState
 from sandgate.store.base import WorkerName
 from sandgate.store.instance_lock import hold_instance_lock, release_instance_lock
 from sandgate.store.sql import open_store

@@ -18,11 +18,11 @@ from sandgate.control.admission import Admission
 from sandgate.control.create import CreatePipeline
 from sandgate.control.exec_jobs import ExecJobService
 from sandgate.control.sandboxes import SandboxService
+from sandgate.control.state import ServerLocalState
 from sandgate.control.toolbox import Toolbox
 from sandgate.control.workers import WorkerRegistry
 from sandgate.core.credentials import key_hash
 from sandgate.errors import AuthError, ForbiddenError
-from sandgate.local_state import ServerLocalState
 from sandgate.store.base import ApiKey, Store, TenantId
 
 

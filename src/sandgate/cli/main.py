@@ -564,7 +564,7 @@ def up(
 @app.command("state-table")
 def state_table() -> None:
     """Print the table of every piece of in-process state (Markdown)."""
-    from sandgate.local_state import state_doc
+    from sandgate.cli.state_table import state_doc
 
     sys.stdout.write(state_doc())
 

@@ -28,6 +28,7 @@ from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
 
 from sandgate.config import ServerSettings
+from sandgate.control.state import ServerLocalState
 from sandgate.core import breaker
 from sandgate.core.breaker import BreakerPolicy, BreakerRecord
 from sandgate.core.clock import utcnow
@@ -37,7 +38,6 @@ from sandgate.errors import (
     QuotaConflictError,
     UnavailableError,
 )
-from sandgate.local_state import ServerLocalState
 from sandgate.store.base import (
     Sandbox,
     SchedulingTimeout,

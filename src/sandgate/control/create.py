@@ -18,6 +18,7 @@ from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission, Disconnected
 from sandgate.control.delivery import Delivery
 from sandgate.control.sandboxes import SandboxService
+from sandgate.control.state import ServerLocalState
 from sandgate.control.workers import Placement, WorkerRegistry
 from sandgate.core import idempotency
 from sandgate.core.clock import utcnow
@@ -33,7 +34,6 @@ from sandgate.errors import (
     SandgateError,
     UnavailableError,
 )
-from sandgate.local_state import ServerLocalState
 from sandgate.store.base import (
     IdempotencyRecord,
     Job,

@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission
 from sandgate.control.sandboxes import SandboxService
+from sandgate.control.state import ServerLocalState
 from sandgate.control.toolbox import Toolbox
 from sandgate.core import idempotency
 from sandgate.core.clock import utcnow
@@ -31,7 +32,6 @@ from sandgate.errors import (
     SandgateError,
     UnavailableError,
 )
-from sandgate.local_state import ServerLocalState
 from sandgate.store.base import (
     ExecJob,
     ExecJobId,

@@ -21,9 +21,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
 from sandgate.agent.frames import MAX_PAYLOAD_BYTES, Header, decode
+from sandgate.control.state import ServerLocalState
 from sandgate.core.signing import signed_headers
 from sandgate.errors import TunnelUnavailableError, UnavailableError
-from sandgate.local_state import ServerLocalState
 from sandgate.tunnel.rpc import LinkClosedError, RpcChannel, remote_error
 
 log = logging.getLogger(__name__)

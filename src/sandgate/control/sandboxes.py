@@ -8,6 +8,7 @@ import logging
 from dataclasses import replace
 from datetime import timedelta
 
+from sandgate.control.state import ServerLocalState
 from sandgate.control.workers import WorkerRegistry
 from sandgate.core.clock import utcnow
 from sandgate.errors import (
@@ -15,7 +16,6 @@ from sandgate.errors import (
     NotFoundError,
     SandgateError,
 )
-from sandgate.local_state import ServerLocalState
 from sandgate.store.base import (
     Sandbox,
     SandboxFilter,

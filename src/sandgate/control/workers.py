@@ -13,6 +13,7 @@ from typing import Any
 
 from sandgate.agent.frames import Header
 from sandgate.control.peers import PeerClient
+from sandgate.control.state import ServerLocalState
 from sandgate.core import placement
 from sandgate.core.clock import utcnow
 from sandgate.core.loops import LoopHealth
@@ -26,7 +27,6 @@ from sandgate.errors import (
     TunnelUnavailableError,
     UnavailableError,
 )
-from sandgate.local_state import ServerLocalState
 from sandgate.store.base import SandboxName, Store, Worker, WorkerName
 from sandgate.tunnel.hub import TunnelSession
 from sandgate.tunnel.rpc import LinkClosedError, NoAnswerError

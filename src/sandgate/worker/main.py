@@ -22,12 +22,12 @@ from sandgate.agent import deployed_name
 from sandgate.agent.frames import Header
 from sandgate.config import WorkerSettings
 from sandgate.faults import FAULTS
-from sandgate.local_state import WorkerLocalState
 from sandgate.tunnel.client import TunnelClient
 from sandgate.tunnel.rpc import RpcChannel
 from sandgate.worker import budget
 from sandgate.worker.runtime.base import Runtime
 from sandgate.worker.service import WorkerService
+from sandgate.worker.state import WorkerLocalState
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from sandgate.agent.frames import Header
@@ -34,10 +32,10 @@ from sandgate.errors import (
     StorageFullError,
     WorkerError,
 )
-from sandgate.local_state import WorkerLocalState
 from sandgate.worker import disk
 from sandgate.worker.agent_link import AgentLink
-from sandgate.worker.runtime.base import RunningSandbox, Runtime, SandboxSpec
+from sandgate.worker.runtime.base import Runtime, SandboxSpec
+from sandgate.worker.state import LiveSandbox, Starting, WorkerLocalState
 
 log = logging.getLogger(__name__)
 
@@ -50,27 +48,6 @@ SHUTDOWN_TEARDOWN_WAIT = 8.0  # a stopping worker waits this long (at most twice
 DEFAULT_AGENT_CALL_TIMEOUT = 120.0
 
 Notify = Callable[[str, dict[str, Any]], Awaitable[None]]
-
-
-@dataclass
-class LiveSandbox:
-    running: RunningSandbox
-    link: AgentLink
-    started_at: float = field(default_factory=time.time)
-    stopping: bool = False
-
-    @property
-    def name(self) -> str:
-        return self.running.spec.name
-
-    def info(self) -> dict[str, Any]:
-        return {"name": self.name, "pid": self.link.ready_info.get("pid")}
-
-
-@dataclass(frozen=True)
-class Starting:
-    spec: SandboxSpec
-    start: asyncio.Future[LiveSandbox]
 
 
 class WorkerService:

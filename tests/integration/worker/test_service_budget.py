@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from sandgate.errors import NoCapacityError, ResourceCapError
-from sandgate.local_state import WorkerLocalState
 from sandgate.worker import budget, fds
 from sandgate.worker.runtime.base import SandboxSpec
 from sandgate.worker.runtime.bwrap import BwrapRuntime
 from sandgate.worker.service import WorkerService
+from sandgate.worker.state import WorkerLocalState
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from sandgate.local_state import WorkerLocalState
 from sandgate.worker.runtime.base import SandboxSpec
 from sandgate.worker.runtime.bwrap import BwrapRuntime
 from sandgate.worker.service import WorkerService
+from sandgate.worker.state import WorkerLocalState
 
 pytestmark = [
     pytest.mark.bwrap,

@@ -1,0 +1,132 @@
+"""What a worker keeps only in memory: its sandboxes, and the rows of its in-process state.
+
+`WorkerLocalState` is every piece of state the worker service holds, created by the worker's
+start (`worker/main.py`) and passed to `WorkerService`. Each field says what it holds, its
+bound and what happens with N instances; `WORKER_STATE` and `WORKER_OBJECT_STATE` (the state
+the worker's objects keep on `self`) are its rows in the one table `sandgate state-table`
+prints (`cli/state_table.py`, docs/state.md). The server's are in `control/state.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from sandgate.local_state import StateRow
+from sandgate.worker.agent_link import AgentLink
+from sandgate.worker.runtime.base import RunningSandbox, SandboxSpec
+
+
+@dataclass
+class LiveSandbox:
+    running: RunningSandbox
+    link: AgentLink
+    started_at: float = field(default_factory=time.time)
+    stopping: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.running.spec.name
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "pid": self.link.ready_info.get("pid")}
+
+
+@dataclass(frozen=True)
+class Starting:
+    spec: SandboxSpec
+    start: asyncio.Future[LiveSandbox]
+
+
+@dataclass
+class WorkerLocalState:
+    # sandbox name -> the running sandbox and its agent link. Per-process by nature: the
+    # sandboxes are children of this worker process and die with it (bwrap --die-with-parent).
+    sandboxes: dict[str, LiveSandbox] = field(default_factory=dict)
+    # sandbox name -> the provision in progress (its spec and start), so a redelivered create
+    # waits for the first and the budget counts what is starting.
+    provisioning: dict[str, Starting] = field(default_factory=dict)
+    # sandbox name -> a sandbox being destroyed: recorded before it leaves `sandboxes`, kept
+    # until its processes, cgroups, uid lease and directories are gone. Per-process by nature;
+    # a worker that dies with entries here removes the leftovers at its next start.
+    tearing_down: dict[str, LiveSandbox] = field(default_factory=dict)
+    # sandbox name -> the task tearing it down (one per sandbox; it outlives the request that
+    # asked for it, so a dropped link never interrupts a destroy).
+    teardowns: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+
+
+WORKER_STATE: Mapping[str, StateRow] = MappingProxyType(
+    {
+        "WorkerLocalState.sandboxes": StateRow(
+            "sandboxes running on this worker and their agent pipes",
+            "the worker's capacity",
+            "per-process by nature; reported to the control plane on every (re)connect",
+        ),
+        "WorkerLocalState.provisioning": StateRow(
+            "provisions in progress by sandbox name",
+            "the worker's capacity",
+            "per-process by nature; a redelivered create of the same name waits for the first",
+        ),
+        "WorkerLocalState.tearing_down": StateRow(
+            "sandboxes being destroyed, until everything they held on the host is gone",
+            "the worker's capacity (they count against it)",
+            "per-process by nature; reported in every hello and heartbeat until done, and what a "
+            "crashed worker left is removed at its next start",
+        ),
+        "WorkerLocalState.teardowns": StateRow(
+            "the task tearing each of those sandboxes down",
+            "one per sandbox being destroyed",
+            "per-process by nature; awaited by the worker's shutdown",
+        ),
+    }
+)
+
+# state the worker's objects keep on `self`, found by the registry test; each lives and dies
+# with its owner
+WORKER_OBJECT_STATE: Mapping[str, StateRow] = MappingProxyType(
+    {
+        "AgentLink._buffered": StateRow(
+            "frames decoded from an agent's pipe, not yet dispatched",
+            "one read (64 KiB) worth of frames",
+            "per-process by nature: the agent is this worker's child",
+        ),
+        "AgentLink.ready": StateRow(
+            "set when the sandbox's agent reported ready",
+            "one event per sandbox",
+            "per-process by nature",
+        ),
+        "AgentLink.ready_info": StateRow(
+            "the agent's ready event (pid, version)",
+            "one small dict per sandbox",
+            "per-process by nature",
+        ),
+        "TunnelClient.connected": StateRow(
+            "whether the worker's tunnel is up", "one event per worker", "per-process by nature"
+        ),
+        "UidPool._held": StateRow(
+            "host uids leased to this worker's sandboxes (flock held on a file per uid)",
+            "the worker's uid range",
+            "exact: the flock on the uid's file is the lease across every process on the host, "
+            "released when its holder dies",
+        ),
+        "BwrapRuntime._limits": StateRow(
+            "which cgroup limits this host can enforce, found at prepare",
+            "3 flags",
+            "per-process by nature: facts about this worker's host",
+        ),
+        "BwrapRuntime._root_args": StateRow(
+            "bwrap arguments building the read-only root, computed at prepare",
+            "a few dozen strings",
+            "per-process by nature: facts about this worker's host",
+        ),
+        "BwrapRuntime._etc_args": StateRow(
+            "bwrap arguments binding the minimal /etc, computed at prepare",
+            "a few dozen strings",
+            "per-process by nature: facts about this worker's host",
+        ),
+    }
+)
