@@ -3,8 +3,10 @@
 #
 # One database created for the run (sandgate_mic_<random>, dropped at exit), `sandgate
 # migrate`, one shared secret, instances A and B (each with its own --node-url), one real
-# worker dialing A through a small TCP forwarder this script controls (so the worker can be
-# moved to B without restarting it, which would kill its sandboxes), an instance C with
+# worker dialing A through a TCP forwarder this script controls (tests/faultproxy.py run as a
+# script, the tests' one fault proxy), so the worker can be moved to B without restarting it,
+# which would kill its sandboxes; the same checks run as pytest in
+# tests/e2e/test_multi_instance_moves.py. An instance C with
 # SANDGATE_FAULTS=skip-delivery and an instance D with SANDGATE_FAULTS=exit-after-accept.
 # Prints `ok: <what>` per check; exits non-zero with `FAIL: <what>` on the first failure.
 #
@@ -17,6 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SG=$PWD/.venv/bin/sandgate
+PY=$PWD/.venv/bin/python
 ADMIN_DSN=${SANDGATE_MIC_PG_DSN:-${SANDGATE_TEST_PG_DSN:-postgresql://postgres@127.0.0.1:5432/test}}
 RUNTIME=${SANDGATE_MIC_RUNTIME:-bwrap}
 RUN=$(python3 -c 'import secrets; print(secrets.token_hex(4))')
@@ -182,47 +185,9 @@ start_instance() {  # start_instance ROLE PORT [FAULTS]
   wait_healthy "http://127.0.0.1:$port" "$role"
 }
 
-write_forwarder() {
-  cat >"$STATE/forward.py" <<'PY'
-"""A TCP forwarder: 127.0.0.1:LISTEN -> 127.0.0.1:TARGET. Killing it drops every connection."""
-import asyncio
-import sys
-
-LISTEN, TARGET = int(sys.argv[1]), int(sys.argv[2])
-
-
-async def pipe(reader, writer):
-    try:
-        while data := await reader.read(1 << 16):
-            writer.write(data)
-            await writer.drain()
-    except (ConnectionError, OSError):
-        pass
-    finally:
-        writer.close()
-
-
-async def handle(reader, writer):
-    try:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", TARGET)
-    except OSError:
-        writer.close()
-        return
-    await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-
-async def main():
-    server = await asyncio.start_server(handle, "127.0.0.1", LISTEN, reuse_address=True)
-    async with server:
-        await server.serve_forever()
-
-
-asyncio.run(main())
-PY
-}
-
-start_forwarder() {  # start_forwarder TARGET_PORT
-  python3 "$STATE/forward.py" "$PORT_F" "$1" >>"$STATE/logs/forwarder.log" 2>&1 &
+start_forwarder() {  # start_forwarder TARGET_PORT: 127.0.0.1:$PORT_F -> 127.0.0.1:TARGET_PORT
+  # stopping it (SIGTERM) resets every connection through it
+  "$PY" tests/faultproxy.py "$PORT_F" "$1" >>"$STATE/logs/forwarder.log" 2>&1 &
   PIDS[forwarder]=$!
   local i
   for i in $(seq 1 50); do
@@ -272,7 +237,6 @@ start_instance C "$PORT_C" skip-delivery
 start_instance D "$PORT_D" exit-after-accept
 ok "instances up: A $A, B $B, C $C (skip-delivery), D $D (exit-after-accept)"
 
-write_forwarder
 start_forwarder "$PORT_A"
 "$SG" worker --server "http://127.0.0.1:$PORT_F" --token "$TOKEN" --name w1 \
   --runtime "$RUNTIME" --capacity 16 --state-dir "$STATE/worker" >>"$STATE/logs/worker.log" 2>&1 &

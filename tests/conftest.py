@@ -1,10 +1,14 @@
-"""Shared test options. Postgres tests take --pg-dsn (CI always passes it)."""
+"""Shared test options and fixtures. Postgres tests take --pg-dsn (CI always passes it)."""
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
 
 import pytest
+
+from tests.faultproxy import FaultProxy, OpenProxy, Rule
 
 # Workers the tests start hold up to 160 small, mostly idle sandboxes: more than this host's
 # memory and disk budget gives them at the real defaults (512 MiB and 1 GiB each, overcommit
@@ -28,3 +32,23 @@ def pg_dsn(request: pytest.FixtureRequest) -> str:
     if not dsn:
         pytest.skip("no --pg-dsn given")
     return dsn
+
+
+@pytest.fixture
+def fault_proxy() -> Iterator[OpenProxy]:
+    """Open fault proxies (tests/faultproxy.py, the only proxy of the tests): each call starts
+    one to a URL, listening on `port` (or a free one), with an optional HTTP `rule`. Every one
+    is stopped after the test. May be called from any thread."""
+    opened: list[FaultProxy] = []
+    lock = threading.Lock()
+
+    def open_proxy(url: str, *, rule: Rule | None = None, port: int = 0) -> FaultProxy:
+        proxy = FaultProxy.at(url, rule=rule, port=port)
+        with lock:
+            opened.append(proxy)
+        return proxy
+
+    yield open_proxy
+    with lock:
+        for proxy in reversed(opened):
+            proxy.stop()

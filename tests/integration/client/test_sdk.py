@@ -1,7 +1,8 @@
 """The Python SDK (`sandgate.client`) against a real server, worker and bwrap sandboxes.
 
-Faults are made by a small TCP proxy between the SDK and the server (an outside system, the
-network, is the only double): it can drop a connection after the server has answered, or cut
+Faults are made by the tests' one fault proxy (tests/faultproxy.py, opened by the
+`fault_proxy` fixture) between the SDK and the server (an outside system, the network, is the
+only double): with an HTTP rule it drops a connection after the server has answered, or cuts
 an answer after some bytes.
 """
 
@@ -13,13 +14,12 @@ import dataclasses
 import hashlib
 import os
 import shutil
-import socket
 import threading
 import time
 import tracemalloc
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -40,6 +40,7 @@ from sandgate.client import (
     Terminal,
     UnavailableError,
 )
+from tests.faultproxy import OpenProxy, Seen, first_n
 from tests.integration.api.conftest import (
     Deployment,
     deployment,  # noqa: F401 (the session fixture, shared with the API tests' module)
@@ -87,164 +88,6 @@ def sha256_of(path: Path) -> str:
         while piece := handle.read(1 << 20):
             digest.update(piece)
     return digest.hexdigest()
-
-
-# ------------------------------------------------------------------------------ the proxy
-
-
-@dataclass
-class Seen:
-    method: str
-    target: str
-    headers: dict[str, str]
-
-
-@dataclass
-class FaultProxy:
-    """A TCP proxy to `upstream` that sees each HTTP request's head (one request per
-    connection: it asks the server to close after answering) and asks `rule` what to do:
-    "pass", "drop" (forward, wait for the server's answer, then close without relaying any
-    of it) or an int N (relay the first N bytes of the answer, then close)."""
-
-    upstream: int
-    rule: Callable[[Seen], str | int] = lambda seen: "pass"
-    port: int = 0
-    seen: list[Seen] = field(default_factory=list)
-    _listener: socket.socket | None = None
-    _sockets: list[socket.socket] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> FaultProxy:
-        listener = socket.socket()
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
-        listener.listen(64)
-        self.port = listener.getsockname()[1]
-        self._listener = listener
-        threading.Thread(target=self._accept, daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        if self._listener is not None:
-            with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)
-            self._listener.close()
-        with self._lock:
-            for sock in self._sockets:
-                _close(sock)
-
-    def _accept(self) -> None:
-        assert self._listener is not None
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                self._sockets.append(client)
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
-
-    def _serve(self, client: socket.socket) -> None:
-        upstream: socket.socket | None = None
-        try:
-            buffer = b""
-            while b"\r\n\r\n" not in buffer:
-                data = client.recv(65536)
-                if not data:
-                    return
-                buffer += data
-            head, rest = buffer.split(b"\r\n\r\n", 1)
-            lines = head.decode("latin-1").split("\r\n")
-            method, target, _ = lines[0].split(" ", 2)
-            headers = {}
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                headers[name.strip().lower()] = value.strip()
-            seen = Seen(method, target, headers)
-            with self._lock:
-                self.seen.append(seen)
-            action = self.rule(seen)
-            kept = [line for line in lines[1:] if not line.lower().startswith("connection:")]
-            new_head = "\r\n".join([lines[0], *kept, "Connection: close"]).encode("latin-1")
-            upstream = socket.create_connection(("127.0.0.1", self.upstream))
-            with self._lock:
-                self._sockets.append(upstream)
-            upstream.sendall(new_head + b"\r\n\r\n" + rest)
-            threading.Thread(target=_pipe, args=(client, upstream), daemon=True).start()
-            if action == "drop":
-                answer = b""
-                while b"\r\n\r\n" not in answer:
-                    data = upstream.recv(65536)
-                    if not data:
-                        break
-                    answer += data
-                return  # the server answered; the client never hears it
-            limit = action if isinstance(action, int) else None
-            relayed = 0
-            while True:
-                data = upstream.recv(65536)
-                if not data:
-                    return
-                if limit is not None and relayed + len(data) >= limit:
-                    client.sendall(data[: limit - relayed])
-                    return
-                client.sendall(data)
-                relayed += len(data)
-        except OSError:
-            return
-        finally:
-            _close(client)
-            if upstream is not None:
-                _close(upstream)
-
-    def count(self, method: str, path: str) -> list[Seen]:
-        with self._lock:
-            return [s for s in self.seen if s.method == method and s.target.split("?")[0] == path]
-
-
-def _pipe(source: socket.socket, sink: socket.socket) -> None:
-    try:
-        while data := source.recv(65536):
-            sink.sendall(data)
-    except OSError:
-        pass
-
-
-def _close(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
-
-
-@contextlib.contextmanager
-def proxy_to(url: str, rule: Callable[[Seen], str | int], port: int = 0) -> Iterator[FaultProxy]:
-    proxy = FaultProxy(upstream=int(url.rsplit(":", 1)[1]), rule=rule, port=port).start()
-    try:
-        yield proxy
-    finally:
-        proxy.stop()
-
-
-def first_n(
-    n: int, method: str, path_suffix: str, action: str | int = "drop"
-) -> Callable[[Seen], str | int]:
-    """A rule: the first `n` requests matching get `action`, the rest pass."""
-    done = [0]
-    lock = threading.Lock()
-
-    def rule(seen: Seen) -> str | int:
-        if seen.method == method and seen.target.split("?")[0].endswith(path_suffix):
-            with lock:
-                if done[0] < n:
-                    done[0] += 1
-                    return action
-        return "pass"
-
-    return rule
 
 
 # ------------------------------------------------------------------------------ sandboxes
@@ -471,16 +314,18 @@ def test_two_followers_get_10000_lines_in_order(box: Sandbox) -> None:
     assert results[0] == expected and results[1] == expected
 
 
-def test_output_resumes_where_a_broken_stream_stopped(deployment: Deployment, box: Sandbox) -> None:  # noqa: F811
+def test_output_resumes_where_a_broken_stream_stopped(
+    deployment: Deployment,  # noqa: F811
+    box: Sandbox,
+    fault_proxy: OpenProxy,
+) -> None:
     # output spread over time, so it arrives as many small events
     process = box.processes.start("for i in $(seq 1 400); do echo n$i; sleep 0.005; done")
     expected = "".join(f"n{i}\n" for i in range(1, 401)).encode()
     stream_path = f"/api/v1/sandboxes/{box.name}/toolbox/processes/{process.pid}/stream"
     # the first two streams are cut after 2000 bytes of answer (mid-event, most likely)
-    with (
-        proxy_to(deployment.url, first_n(2, "GET", "/stream", 2000)) as proxy,
-        Sandgate(proxy.url, deployment.keys["alpha"]) as client,
-    ):
+    proxy = fault_proxy(deployment.url, rule=first_n(2, "GET", "/stream", 2000))
+    with Sandgate(proxy.url, deployment.keys["alpha"]) as client:
         again = client.sandboxes.get(box.name).processes.get(process.pid)
         received = b"".join(e.data for e in again.output())
         streams = proxy.count("GET", stream_path)
@@ -578,13 +423,15 @@ def test_exec_job_idempotency_key_runs_once(box: Sandbox) -> None:
     assert box.files.read("runs") == b"ran\nran\n"
 
 
-def test_a_retried_exec_job_submit_runs_once(deployment: Deployment, box: Sandbox) -> None:  # noqa: F811
+def test_a_retried_exec_job_submit_runs_once(
+    deployment: Deployment,  # noqa: F811
+    box: Sandbox,
+    fault_proxy: OpenProxy,
+) -> None:
     path = f"/api/v1/sandboxes/{box.name}/exec-jobs"
     # the first two answers are lost after the server accepted the job
-    with (
-        proxy_to(deployment.url, first_n(2, "POST", "/exec-jobs")) as proxy,
-        Sandgate(proxy.url, deployment.keys["alpha"], max_retries=3) as client,
-    ):
+    proxy = fault_proxy(deployment.url, rule=first_n(2, "POST", "/exec-jobs"))
+    with Sandgate(proxy.url, deployment.keys["alpha"], max_retries=3) as client:
         through = client.sandboxes.get(box.name)
         job = through.submit_exec_job("echo once >> /workspace/retried")
         submits = proxy.count("POST", path)
@@ -658,14 +505,15 @@ def test_pty_errors(deployment: Deployment, box: Sandbox) -> None:  # noqa: F811
 # ------------------------------------------------------------------------------ retries
 
 
-def test_a_retried_create_makes_one_sandbox(deployment: Deployment) -> None:  # noqa: F811
+def test_a_retried_create_makes_one_sandbox(
+    deployment: Deployment,  # noqa: F811
+    fault_proxy: OpenProxy,
+) -> None:
     tag = uuid.uuid4().hex
     # the server creates the sandbox twice over... or would, without one Idempotency-Key:
     # the first two answers are lost after the server has made the sandbox
-    with (
-        proxy_to(deployment.url, first_n(2, "POST", "/api/v1/sandboxes")) as proxy,
-        Sandgate(proxy.url, deployment.keys["alpha"], max_retries=3) as client,
-    ):
+    proxy = fault_proxy(deployment.url, rule=first_n(2, "POST", "/api/v1/sandboxes"))
+    with Sandgate(proxy.url, deployment.keys["alpha"], max_retries=3) as client:
         box = client.sandboxes.create(metadata={"tag": tag})
         creates = proxy.count("POST", "/api/v1/sandboxes")
     try:
@@ -681,13 +529,14 @@ def test_a_retried_create_makes_one_sandbox(deployment: Deployment) -> None:  # 
             direct.sandboxes.delete(box.name)
 
 
-def test_a_given_idempotency_key_is_used_and_reused(deployment: Deployment) -> None:  # noqa: F811
+def test_a_given_idempotency_key_is_used_and_reused(
+    deployment: Deployment,  # noqa: F811
+    fault_proxy: OpenProxy,
+) -> None:
     tag = uuid.uuid4().hex
     key = f"mine-{tag}"
-    with (
-        proxy_to(deployment.url, first_n(1, "POST", "/api/v1/sandboxes")) as proxy,
-        Sandgate(proxy.url, deployment.keys["alpha"]) as client,
-    ):
+    proxy = fault_proxy(deployment.url, rule=first_n(1, "POST", "/api/v1/sandboxes"))
+    with Sandgate(proxy.url, deployment.keys["alpha"]) as client:
         box = client.sandboxes.create(metadata={"tag": tag}, idempotency_key=key)
         again = client.sandboxes.create(metadata={"tag": tag}, idempotency_key=key)
         creates = proxy.count("POST", "/api/v1/sandboxes")
@@ -701,11 +550,13 @@ def test_a_given_idempotency_key_is_used_and_reused(deployment: Deployment) -> N
             direct.sandboxes.delete(box.name)
 
 
-def test_execute_is_not_retried_once_sent(deployment: Deployment, box: Sandbox) -> None:  # noqa: F811
-    with (
-        proxy_to(deployment.url, first_n(1, "POST", "/execute")) as proxy,
-        Sandgate(proxy.url, deployment.keys["alpha"], max_retries=3) as client,
-    ):
+def test_execute_is_not_retried_once_sent(
+    deployment: Deployment,  # noqa: F811
+    box: Sandbox,
+    fault_proxy: OpenProxy,
+) -> None:
+    proxy = fault_proxy(deployment.url, rule=first_n(1, "POST", "/execute"))
+    with Sandgate(proxy.url, deployment.keys["alpha"], max_retries=3) as client:
         through = client.sandboxes.get(box.name)
         with pytest.raises(APIConnectionError):
             through.run("echo ran >> /workspace/runs")
@@ -716,14 +567,13 @@ def test_execute_is_not_retried_once_sent(deployment: Deployment, box: Sandbox) 
 def test_connect_errors_are_retried_even_for_execute(
     deployment: Deployment,  # noqa: F811
     box: Sandbox,
+    fault_proxy: OpenProxy,
 ) -> None:
     port = free_port()
-    started: list[FaultProxy] = []
 
     def later() -> None:
         time.sleep(0.7)  # the first attempts find nothing listening
-        started.append(FaultProxy(upstream=int(deployment.url.rsplit(":", 1)[1]), port=port))
-        started[0].start()
+        fault_proxy(deployment.url, port=port)  # a plain forwarder, stopped after the test
 
     timer = threading.Thread(target=later)
     timer.start()
@@ -735,8 +585,6 @@ def test_connect_errors_are_retried_even_for_execute(
             assert time.monotonic() - began >= 0.6
     finally:
         timer.join()
-        for proxy in started:
-            proxy.stop()
     assert box.files.read("count") == b"once\n"
 
 
@@ -827,18 +675,21 @@ def test_async_client(deployment: Deployment, big_file: tuple[Path, str], tmp_pa
     assert sha256_of(tmp_path / "back.bin") == digest
 
 
-def test_async_retried_create_makes_one_sandbox(deployment: Deployment) -> None:  # noqa: F811
+def test_async_retried_create_makes_one_sandbox(
+    deployment: Deployment,  # noqa: F811
+    fault_proxy: OpenProxy,
+) -> None:
     tag = uuid.uuid4().hex
+    proxy = fault_proxy(deployment.url, rule=first_n(2, "POST", "/api/v1/sandboxes"))
 
     async def scenario() -> list[Seen]:
-        with proxy_to(deployment.url, first_n(2, "POST", "/api/v1/sandboxes")) as proxy:
-            async with AsyncSandgate(proxy.url, deployment.keys["alpha"]) as client:
-                box = await client.sandboxes.create(metadata={"tag": tag})
-                assert (await box.run("echo ok")).stdout == "ok\n"
-                listed = await client.sandboxes.list(metadata={"tag": tag})
-                assert [s.name for s in listed] == [box.name]
-                await box.delete()
-            return proxy.count("POST", "/api/v1/sandboxes")
+        async with AsyncSandgate(proxy.url, deployment.keys["alpha"]) as client:
+            box = await client.sandboxes.create(metadata={"tag": tag})
+            assert (await box.run("echo ok")).stdout == "ok\n"
+            listed = await client.sandboxes.list(metadata={"tag": tag})
+            assert [s.name for s in listed] == [box.name]
+            await box.delete()
+        return proxy.count("POST", "/api/v1/sandboxes")
 
     creates = asyncio.run(scenario())
     assert len(creates) == 3 and len({s.headers["idempotency-key"] for s in creates}) == 1
@@ -883,7 +734,10 @@ def test_async_exec_jobs(deployment: Deployment) -> None:  # noqa: F811
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root to set up")
 def test_sdk_against_sandgate_up(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, big_file: tuple[Path, str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    big_file: tuple[Path, str],
+    fault_proxy: OpenProxy,
 ) -> None:
     path, digest = big_file
     state_dir = Path("/var/lib/sandgate-test") / uuid.uuid4().hex[:10]
@@ -901,10 +755,8 @@ def test_sdk_against_sandgate_up(
         monkeypatch.delenv("SANDGATE_API_KEY", raising=False)
         monkeypatch.delenv("SANDGATE_URL", raising=False)
         tag = uuid.uuid4().hex
-        with (
-            proxy_to(url, first_n(1, "POST", "/api/v1/sandboxes")) as proxy,
-            Sandgate(proxy.url) as client,
-        ):
+        proxy = fault_proxy(url, rule=first_n(1, "POST", "/api/v1/sandboxes"))
+        with Sandgate(proxy.url) as client:
             box = client.sandboxes.create(metadata={"tag": tag})
             assert len(proxy.count("POST", "/api/v1/sandboxes")) == 2
             assert [s.name for s in client.sandboxes.list(metadata={"tag": tag})] == [box.name]
