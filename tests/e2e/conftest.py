@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -43,9 +43,6 @@ RECOVERY_AFTER = 5.0  # --recovery-after of the healthy instances
 RECOVERY_INTERVAL = 1.0  # --recovery-interval of every instance
 HEARTBEAT = 10.0  # the worker's heartbeat interval (WorkerSettings.heartbeat_interval)
 WORKER = "w1"
-
-_STARTED = re.compile(r"sandbox\.started\b.*?sandbox='([^']+)'")
-_REPEAT = re.compile(r"sandbox\.provision_repeat\b.*?sandbox='([^']+)'")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -184,6 +181,7 @@ class Cluster:
         log_path = self.base / f"worker-{name}.log"
         env = {k: v for k, v in os.environ.items() if k != "SANDGATE_FAULTS"}
         env["SANDGATE_TOKEN"] = token or self.worker_token
+        env["SANDGATE_LOG_FORMAT"] = "json"  # read back by worker_records()
         if faults:
             env["SANDGATE_FAULTS"] = faults
         argv = launcher.worker_argv(
@@ -226,11 +224,33 @@ class Cluster:
         return (rows[0]["node_url"], rows[0]["age"]) if rows else None
 
     # -- the worker's own account of what it started ---------------------------------------
+    def worker_records(self) -> list[dict[str, Any]]:
+        """Worker w1's log records: it logs one JSON object a line (SANDGATE_LOG_FORMAT=json);
+        any other line (what a crash prints before logging is set up) is skipped."""
+        assert self.worker_log is not None
+        records: list[dict[str, Any]] = []
+        for line in self.worker_log.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+        return records
+
+    def worker_sandboxes(self, event: str) -> Counter[str]:
+        """How many times worker w1 logged `event` (e.g. sandbox.started), per sandbox name."""
+        return Counter(
+            str(r["sandbox"])
+            for r in self.worker_records()
+            if r.get("message") == event and "sandbox" in r
+        )
+
     def worker_events(self) -> tuple[Counter[str], Counter[str]]:
         """(starts, repeated provisions) per sandbox name, read from the worker's log."""
-        assert self.worker_log is not None
-        text = self.worker_log.read_text(errors="replace")
-        return Counter(_STARTED.findall(text)), Counter(_REPEAT.findall(text))
+        return self.worker_sandboxes("sandbox.started"), self.worker_sandboxes(
+            "sandbox.provision_repeat"
+        )
 
     def delete_everything(self) -> None:
         """Delete every sandbox of the tenant that is not deleted yet (through the owner)."""

@@ -103,7 +103,18 @@ def test_recovery_claims_each_stale_create_once(clean: Cluster) -> None:
     )
     took = time.monotonic() - accepted_at
     names = set(states_by_tag(cluster, "cas", run))
-    time.sleep(RECOVERY_INTERVAL * 3)  # a late second claim would show up by now
+
+    def jobs_completed() -> bool:
+        rows = cluster.sql(
+            "select count(*) as n from jobs where kind = 'create' and sandbox_name = any($1) "
+            "and state <> 'completed'",
+            list(names),
+        )
+        return bool(rows[0]["n"] == 0)
+
+    # a claim is a compare-and-swap that bumps `attempt` (checked below): once every job is
+    # completed no claim can start, so what the worker has logged by then is all there is
+    wait_until(jobs_completed, timeout=30, interval=0.2, what="every create job completed")
 
     starts, repeats = cluster.worker_events()
     assert {n: starts[n] for n in names if starts[n] != 1} == {}, "started other than once"
@@ -299,6 +310,9 @@ def test_stale_owner_answers_503_tunnel_unavailable(clean: Cluster) -> None:
         assert answer is not None, f"no 503 within {took:.1f} s of stopping the owner"
         assert answer.json() == TUNNEL_UNAVAILABLE, answer.text
         assert answer.headers.get("retry-after"), answer.headers
+        # the bound is the point: E trusts the owner record for ttl s, and its last renewal
+        # may be up to one heartbeat older than the SIGSTOP (generous: the check is "soon
+        # after the ttl", not a latency; bench/ measures those)
         assert took <= ttl + HEARTBEAT, f"503 after {took:.1f} s, ttl {ttl} s"
         report(f"(c) non-owner answered 503 tunnel_unavailable {took:.1f} s after SIGSTOP")
     finally:
@@ -442,11 +456,9 @@ def test_delete_and_timeout_through_the_non_owner_reach_the_worker(clean: Cluste
         assert client.delete(f"/api/v1/sandboxes/{doomed}").status_code == 204
         extended = client.post(f"/api/v1/sandboxes/{short}/timeout", json={"timeout": 2})
         assert extended.status_code == 200, extended.text
-    assert cluster.worker_log is not None
 
     def destroyed(name: str) -> bool:
-        text = cluster.worker_log.read_text(errors="replace")  # type: ignore[union-attr]
-        return f"sandbox.destroyed sandbox='{name}'" in text
+        return cluster.worker_sandboxes("sandbox.destroyed")[name] > 0
 
     wait_until(lambda: destroyed(doomed), timeout=15, what=f"{doomed} destroyed at the worker")
     wait_until(lambda: destroyed(short), timeout=20, what=f"{short} reaped at the worker")
@@ -484,7 +496,9 @@ def test_a_wrong_owner_record_never_bounces_a_request(clean: Cluster) -> None:
             assert r.status_code == 503, (inst.name, r.status_code, r.text)
             assert r.json()["error"]["code"] == "tunnel_unavailable", r.text
             assert r.headers.get("retry-after"), r.headers
-            assert took < 5, f"{inst.name} took {took:.1f} s to refuse"
+            # the bound is the point: a wrong record is refused at once; a bounce between
+            # instances or a wait for the tunnel would run into the client's 20 s timeout
+            assert took < 10, f"{inst.name} took {took:.1f} s to refuse"
         with cluster.client(a) as client:  # the holder serves its own tunnel regardless
             r = client.post(f"/api/v1/sandboxes/{name}/execute", json={"code": "echo ok"})
             assert r.status_code == 200, r.text
