@@ -16,6 +16,7 @@ SandgateError                      code, message (both shown to the user)
 ├── LimitExceededError             a configured limit was hit; carries limit, retry_after (429)
 ├── UnavailableError               try again later; carries retry_after (503)
 │   ├── NoCapacityError            no connected worker has room
+│   │   └── AtCapacityError        workers are connected and all full (the create may queue)
 │   └── TunnelUnavailableError     the sandbox's worker is not connected
 ├── SandboxTimeoutError            the worker did not answer in time (504)
 ├── WorkerError                    the worker or agent failed the operation (502)
