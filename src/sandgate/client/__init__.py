@@ -14,25 +14,11 @@ with Sandgate() as sg:  # $SANDGATE_URL / $SANDGATE_API_KEY, else a local `sandg
 The reference is docs/client.md.
 """
 
-from sandgate.client._async import (
-    AsyncFiles,
-    AsyncProcess,
-    AsyncProcesses,
-    AsyncSandbox,
-    AsyncSandboxes,
-    AsyncSandgate,
-    AsyncTerminal,
-)
+from sandgate.client._async import AsyncSandbox, AsyncSandboxes, AsyncSandgate
+from sandgate.client._async_toolbox import AsyncFiles, AsyncProcess, AsyncProcesses, AsyncTerminal
 from sandgate.client._base import DEFAULT_URL, KEY_FILE, Progress, RetryPolicy
-from sandgate.client._sync import (
-    Files,
-    Process,
-    Processes,
-    Sandbox,
-    Sandboxes,
-    Sandgate,
-    Terminal,
-)
+from sandgate.client._sync import Sandbox, Sandboxes, Sandgate
+from sandgate.client._sync_toolbox import Files, Process, Processes, Terminal
 from sandgate.client.errors import (
     APIConnectionError,
     APITimeoutError,

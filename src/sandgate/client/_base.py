@@ -2,8 +2,9 @@
 SSE, upload sources.
 
 Nothing here does network IO, so both clients (and plain-bytes tests) use the same decisions.
-Neither client imports the other: `_async.py` is the source, `_sync.py` is generated from it
-(`scripts/async_to_sync.py`), and what both need that is not IO lives here.
+Neither client imports the other: the `_async*.py` modules are the source, each `_sync*.py` is
+generated from its `_async*.py` (`scripts/async_to_sync.py`), and what both need that is not IO
+lives here.
 """
 
 from __future__ import annotations
