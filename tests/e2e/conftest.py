@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import os
 import secrets
 import shutil
@@ -36,6 +35,7 @@ import pytest
 from sqlalchemy import make_url
 
 from sandgate.cli import launch as launcher
+from tests import logrecords
 from tests.integration.api.conftest import free_port, sandgate
 
 RUNTIME = os.environ.get("SANDGATE_E2E_RUNTIME", "process")
@@ -225,26 +225,13 @@ class Cluster:
 
     # -- the worker's own account of what it started ---------------------------------------
     def worker_records(self) -> list[dict[str, Any]]:
-        """Worker w1's log records: it logs one JSON object a line (SANDGATE_LOG_FORMAT=json);
-        any other line (what a crash prints before logging is set up) is skipped."""
+        """Worker w1's log records: it logs one JSON object a line (SANDGATE_LOG_FORMAT=json)."""
         assert self.worker_log is not None
-        records: list[dict[str, Any]] = []
-        for line in self.worker_log.read_text(errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-        return records
+        return logrecords.read_records(self.worker_log)
 
     def worker_sandboxes(self, event: str) -> Counter[str]:
         """How many times worker w1 logged `event` (e.g. sandbox.started), per sandbox name."""
-        return Counter(
-            str(r["sandbox"])
-            for r in self.worker_records()
-            if r.get("message") == event and "sandbox" in r
-        )
+        return logrecords.sandboxes(self.worker_records(), event)
 
     def worker_events(self) -> tuple[Counter[str], Counter[str]]:
         """(starts, repeated provisions) per sandbox name, read from the worker's log."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import shutil
 import threading
 import time
@@ -36,7 +35,6 @@ pytestmark = [pytest.mark.bwrap, pytest.mark.slow]
 
 EXEC_TIMEOUT = 10.0  # each execute's own timeout: no answer may take longer than this + 2 s
 SLACK = 2.0
-_STARTED = re.compile(r"sandbox\.started\b.*?sandbox='([^']+)'")
 
 
 @pytest.fixture
@@ -205,7 +203,7 @@ def test_a_flapping_tunnel_gives_no_500_no_hang_and_one_sandbox_per_key(
     start_limit = 30.0 + SLACK  # a create's own bound: the server's start timeout
     storm(proxy.cut, [dep.client], names, answers, made, start_limit)
     # each key made exactly one sandbox, started once on the worker
-    started = Counter(_STARTED.findall((dep.data_dir / "worker-w1.log").read_text()))
+    started = dep.worker_sandboxes("sandbox.started")
     for key, name in made.items():
         assert started[name] == 1, (key, name, started[name])
     # the tunnel is healthy again afterwards
@@ -258,7 +256,7 @@ def test_a_reattached_worker_gets_the_creates_waiting_for_it_at_once(
         assert r.status_code == 200, r.text  # the same sandbox, replayed
         assert r.json()["state"] == "running"
         assert took < 10, took  # not the 45 s recovery wait
-        started_on_worker = Counter(_STARTED.findall((dep.data_dir / "worker-w1.log").read_text()))
+        started_on_worker = dep.worker_sandboxes("sandbox.started")
         assert started_on_worker[r.json()["name"]] == 1
 
 

@@ -147,10 +147,14 @@ class Admission:
         sandbox_name: str,
         place: Callable[[], Awaitable[T]],
         disconnected: Disconnected | None = None,
+        *,
+        keep_on_leave: bool = False,
     ) -> Admitted[T]:
         """Let a create in through the breaker and the queue. `place` picks a worker and
         commits the sandbox there; it raises AtCapacityError when every worker is full (or
-        the chosen one filled up meanwhile). A queued create leaves the queue once placed."""
+        the chosen one filled up meanwhile). A queued create leaves the queue once placed,
+        or when `disconnected` says its client left, unless `keep_on_leave` (a keyed create:
+        the retry with its key takes it over); either way the leave is counted."""
         if not self.enabled:
             return Admitted(await place())
         now = utcnow()
@@ -163,7 +167,8 @@ class Admission:
                 except AtCapacityError:
                     if self.settings.queue_limit <= 0:
                         raise
-            return Admitted(await self._wait_in_queue(tenant, place, disconnected, trial), trial)
+            waited = await self._wait_in_queue(tenant, place, disconnected, trial, keep_on_leave)
+            return Admitted(waited, trial)
         except BaseException:
             if trial is not None:  # the trial never got to start a sandbox: no outcome
                 await asyncio.shield(self.trial_outcome(trial, success=False))
@@ -191,6 +196,7 @@ class Admission:
         place: Callable[[], Awaitable[T]],
         disconnected: Disconnected | None,
         trial: str | None,
+        keep_on_leave: bool,
     ) -> T:
         limit = self.settings.queue_limit
         await self._check_sandbox_quota(tenant)
@@ -223,7 +229,12 @@ class Admission:
                         retry_after=QUEUE_FULL_RETRY,
                     )
                 if disconnected is not None and await disconnected():
-                    raise UnavailableError("the client left while queued", code="client_left")
+                    if not keep_on_leave:
+                        self.state.queue_clients_left["abandoned"] += 1
+                        raise UnavailableError("the client left while queued", code="client_left")
+                    self.state.queue_clients_left["kept"] += 1
+                    log.info("admission.client_left_kept", extra={"ticket": ticket})
+                    disconnected = None  # seen once: the create waits on for its retry
                 if loop.time() >= renew_at:
                     await self.store.renew_ticket(ticket, utcnow() + _lease())
                     renew_at = loop.time() + TICKET_RENEW

@@ -212,9 +212,10 @@ class CreatePipeline:
 
         # A keyed create goes on when its client leaves the queue: the client's retry (same
         # key) takes it over. Without a key nobody could ever claim it, so it is abandoned.
-        left = None if claim is not None else disconnected
         try:
-            admitted = await self.admission.admit_create(tenant, name, place, left)
+            admitted = await self.admission.admit_create(
+                tenant, name, place, disconnected, keep_on_leave=claim is not None
+            )
         finally:
             if early is not None:  # refused before placing, or placed from the queue later
                 early.cancel()

@@ -75,6 +75,9 @@ class ServerLocalState:
     # tunnels this instance gave up on because they went silent (a partition): a counter
     # for /metrics, kept apart from scheduling timeouts.
     tunnel_losses: int = 0
+    # queued creates whose client left, by what became of them: "kept" (keyed: it goes on
+    # and the retry with the key takes it over) or "abandoned" (unkeyed): for /metrics.
+    queue_clients_left: dict[str, int] = field(default_factory=lambda: {"kept": 0, "abandoned": 0})
     # loop name -> its health as the supervisor and the heartbeat handler record it (the
     # reaper, recovery, the owner renewal of each attached worker): /readyz names the ones
     # failing. Per-process by nature: each instance runs its own loops and reports them.
@@ -179,6 +182,12 @@ SERVER_STATE: Mapping[str, StateRow] = MappingProxyType(
         "ServerLocalState.tunnel_losses": StateRow(
             "how many worker tunnels this instance dropped because they went silent",
             "one counter",
+            "per-process by nature: a Prometheus counter; the scraper sums the instances",
+        ),
+        "ServerLocalState.queue_clients_left": StateRow(
+            "how many queued creates this instance saw their client leave: kept (keyed) or "
+            "abandoned (unkeyed)",
+            "two counters",
             "per-process by nature: a Prometheus counter; the scraper sums the instances",
         ),
         "ServerLocalState.loops": StateRow(

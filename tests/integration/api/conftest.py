@@ -13,14 +13,17 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from sandgate.cli import launch
+from tests import logrecords
 
 RUNTIME = os.environ.get("SANDGATE_TEST_RUNTIME", "bwrap")
 
@@ -104,10 +107,19 @@ class Deployment:
             extra=args,
         )
         env = launch.child_env(token=self.worker_token, faults=faults)
+        env["SANDGATE_LOG_FORMAT"] = "json"  # read back by worker_records()
         self.worker = launch.start(argv, log=log, env=env)
         launch.wait_worker(
             self.url, self.keys["alpha"], name, proc=self.worker, log=log, timeout=20
         )
+
+    def worker_records(self, name: str = "w1") -> list[dict[str, Any]]:
+        """Worker `name`'s log records (it logs JSON lines: SANDGATE_LOG_FORMAT=json)."""
+        return logrecords.read_records(self.data_dir / f"worker-{name}.log")
+
+    def worker_sandboxes(self, event: str, name: str = "w1") -> Counter[str]:
+        """How many times worker `name` logged `event` (e.g. sandbox.started), per sandbox."""
+        return logrecords.sandboxes(self.worker_records(name), event)
 
     def wait_worker(self, name: str, *, connected: bool) -> None:
         launch.wait_worker(self.url, self.keys["alpha"], name, connected=connected, timeout=20)

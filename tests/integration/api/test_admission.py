@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -136,7 +135,11 @@ def test_a_keyed_create_outlives_its_client_leaving_the_queue(small: Deployment)
             pytest.raises(httpx.ReadTimeout),
         ):
             impatient.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "stay"})
-        time.sleep(1.0)  # the server saw the client go: a create without a key would leave
+        kept = 'sandgate_queue_clients_left_total{outcome="kept"} 1'
+        wait_until(
+            lambda: kept in admin.get("/metrics").text.splitlines(),
+            what="the server saw the client go and kept its keyed create",
+        )  # a create without a key would have left the queue at that point
         assert admin.get("/api/v1/admission").json()["queue"]["length"] == 1
         assert alpha.delete(f"/api/v1/sandboxes/{filler.json()['name']}").status_code == 204
 

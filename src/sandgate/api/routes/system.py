@@ -98,6 +98,13 @@ async def metrics(svc: Svc) -> PlainTextResponse:
         "scheduling timeouts.",
         "# TYPE sandgate_tunnel_losses_total counter",
         f"sandgate_tunnel_losses_total {svc.state.tunnel_losses}",
+        "# HELP sandgate_queue_clients_left_total Queued creates on this instance whose client "
+        "left: kept (keyed, its retry takes it over) or abandoned (unkeyed).",
+        "# TYPE sandgate_queue_clients_left_total counter",
+        *(
+            f'sandgate_queue_clients_left_total{{outcome="{outcome}"}} {count}'
+            for outcome, count in sorted(svc.state.queue_clients_left.items())
+        ),
     ]
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
