@@ -26,6 +26,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from tests.statedirs import unmount_test_leftovers
+
+    unmount_test_leftovers()  # a killed worker's mounts would keep their loop devices
+
+
 @pytest.fixture(scope="session")
 def pg_dsn(request: pytest.FixtureRequest) -> str:
     dsn: str = request.config.getoption("--pg-dsn")

@@ -37,6 +37,7 @@ from sqlalchemy import make_url
 from sandgate.cli import launch as launcher
 from tests import logrecords
 from tests.integration.api.conftest import free_port, sandgate
+from tests.statedirs import remove_state
 
 RUNTIME = os.environ.get("SANDGATE_E2E_RUNTIME", "process")
 RECOVERY_AFTER = 5.0  # --recovery-after of the healthy instances
@@ -345,7 +346,7 @@ def running_cluster(
             cl.stop()
             for log in sorted(base.glob("*.log")):
                 sys.stderr.write(f"\n--- {log.name} (tail) ---\n{tail(log)}\n")
-        shutil.rmtree(state_dir, ignore_errors=True)
+        remove_state(state_dir)
         pg(admin, f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
 
 

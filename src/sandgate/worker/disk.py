@@ -14,6 +14,7 @@ host, and their loop-device allocation is race-free between concurrent mounts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -105,6 +106,8 @@ def remove(sandbox_dir: Path) -> None:
     if os.path.ismount(mount_point):
         _run(["umount", str(mount_point)], f"cannot unmount {mount_point}")
     (sandbox_dir / IMAGE_NAME).unlink(missing_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        mount_point.rmdir()  # empty once unmounted (a plain directory otherwise: kept)
 
 
 def mounts_below(root: Path) -> list[Path]:
@@ -141,7 +144,7 @@ def probe(work_dir: Path) -> str | None:
     probe_dir = work_dir / ".disk-probe"
     try:
         if probe_dir.exists():
-            remove(probe_dir)
+            remove(probe_dir)  # what a run that died during its probe left
         else:
             probe_dir.mkdir(mode=0o700)
         create(probe_dir, disk_mb=16, uid=0)

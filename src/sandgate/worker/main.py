@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -196,21 +197,41 @@ async def run_worker(settings: WorkerSettings) -> None:
         log.critical("fault.active", extra={"fault": fault, "does": FAULTS[fault]})
     service, client = assemble(settings, runtime, features)
     loop = asyncio.get_running_loop()
-    main_task = asyncio.current_task()
-    assert main_task is not None
-
-    def stop() -> None:
-        # once: more signals must not cut the teardown short (the parent-death signal comes
-        # again each time the worker passes to another thread of a dying multi-threaded parent)
-        if not main_task.cancelling():
-            main_task.cancel()
-
+    stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop)
+        loop.add_signal_handler(sig, stop.set)
+    await run_until_stopped(service.run(client.run), stop, lambda: service.shutting_down)
+    log.info("worker.stopped", extra={"worker": settings.name})
+
+
+STOP_RECANCEL = 1.0  # a stop not yet taken up is asked again this often
+
+
+async def run_until_stopped(
+    work: Coroutine[Any, Any, None], stop: asyncio.Event, tearing_down: Callable[[], bool]
+) -> None:
+    """Run `work` until it ends or `stop` is set; then cancel it until its teardown has
+    begun (`tearing_down()`), and wait for the teardown to finish.
+
+    Cancelling once is not enough: Python 3.11's `asyncio.wait_for` can swallow a
+    cancellation that lands as its inner await completes (gh-86296), and a worker whose one
+    cancel was swallowed would keep running after SIGTERM. Once the teardown runs, signals
+    are left alone: more of them must not cut it short (the parent-death signal comes again
+    each time the worker passes to another thread of a dying multi-threaded parent).
+    """
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(stop.wait())
     try:
-        await service.run(client.run)
-    except asyncio.CancelledError:
-        log.info("worker.stopped", extra={"worker": settings.name})
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        while not task.done():
+            if not tearing_down():
+                task.cancel()
+            await asyncio.wait({task}, timeout=STOP_RECANCEL)
+    finally:
+        waiter.cancel()
+    failure = None if task.cancelled() else task.exception()
+    if failure is not None:
+        raise failure
 
 
 def assemble(

@@ -67,6 +67,7 @@ class WorkerService:
         self.state = state
         self.faults = faults
         self.notify: Notify | None = None  # set while a tunnel is up
+        self.shutting_down = False  # run() is destroying everything on its way out
         self._tasks: asyncio.TaskGroup | None = None
 
     async def run(self, body: Callable[[], Awaitable[None]]) -> None:
@@ -80,6 +81,7 @@ class WorkerService:
                 await body()
                 await self.destroy_all()
         finally:
+            self.shutting_down = True
             self._tasks = None
             await asyncio.shield(self.destroy_all())
             try:

@@ -24,6 +24,7 @@ import pytest
 
 from sandgate.cli import launch
 from tests import logrecords
+from tests.statedirs import remove_state
 
 RUNTIME = os.environ.get("SANDGATE_TEST_RUNTIME", "bwrap")
 
@@ -184,7 +185,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 def tear_down(dep: Deployment, lines: int = 40) -> None:
     """Stop the deployment, remove its worker state, show the tail of its logs."""
     dep.stop()
-    shutil.rmtree(dep.state_dir, ignore_errors=True)
+    remove_state(dep.state_dir)
     for name in ("server.log", "worker-w1.log"):
         path = dep.data_dir / name
         if path.exists():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +20,7 @@ import pytest
 from sandgate.cli.up import default_state_dir
 from sandgate.worker.main import runtime_scope
 from tests.integration.api.conftest import RUNTIME, free_port, wait_until
+from tests.statedirs import remove_state
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root to set up")
 TEST_STATE_ROOT = Path("/var/lib/sandgate-test")
@@ -112,7 +112,7 @@ def launched() -> Iterator[Launched]:
         for proc in started.procs:
             kill(proc)
         for path in started.dirs:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_state(path)
 
 
 def api(port: int, key: str) -> httpx.Client:

@@ -152,6 +152,7 @@ def test_a_restart_after_a_crash_unmounts_what_the_dead_worker_left(env: Env) ->
     second = env.runtime(first.worker_name)
     asyncio.run(second.prepare())
     assert disk.mounts_below(first.sandboxes_dir) == []
+    assert second.features()["disk_quota"] is True  # its probe is not tripped by the first's
     assert not sandbox_dir.exists()
 
 
