@@ -21,14 +21,14 @@ def test_usage_sums_what_was_granted_and_counts_a_missing_value_as_nothing() -> 
 
 
 def test_a_sandbox_too_large_for_the_host_is_named() -> None:
-    most = placement.sandbox_max_of(FEATURES)
+    most = placement.sandbox_max_of(FEATURES["enforces"])
     assert placement.too_large({"memory_mb": 2048, "cpus": 2.0}, most) is None
     assert placement.too_large({"memory_mb": 512, "cpus": 4.0}, most) == "cpus"
     assert placement.too_large({"pids": 100_000}, most) == "pids"
 
 
 def test_the_budget_refuses_the_one_that_does_not_fit() -> None:
-    budget = placement.budget_of(FEATURES)
+    budget = placement.budget_of(FEATURES["enforces"])
     assert budget == {"memory_mb": 2048, "disk_mb": 10_000}
     used = {"memory_mb": 1536, "disk_mb": 2048}
     assert placement.short_of({"memory_mb": 512, "disk_mb": 1024}, used, budget) is None
@@ -43,6 +43,6 @@ def test_room_is_the_tightest_budget_left() -> None:
 
 
 def test_an_older_worker_without_a_budget_is_counted_by_slots_only() -> None:
-    assert placement.budget_of({"runtime": "bwrap"}) is None
-    assert placement.sandbox_max_of({}) == {}
+    assert placement.budget_of({"runtime": "bwrap"}.get("enforces")) is None
+    assert placement.sandbox_max_of(None) == {}
     assert placement.too_large({"memory_mb": 10**6}, {}) is None

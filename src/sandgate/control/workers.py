@@ -341,14 +341,14 @@ class WorkerRegistry:
             connected += 1
             if network and worker.features.get("network") not in ("host-optional", "host"):
                 continue
-            most = placement.sandbox_max_of(worker.features)
+            most = placement.sandbox_max_of(worker.features.get("enforces"))
             if (name := placement.too_large(need, most)) is not None:
                 smaller.append((name, most[name]))
                 continue
             offered = True
             usage = await self.store.worker_usage(worker.name)
             free = worker.capacity - usage.sandboxes
-            budget = placement.budget_of(worker.features)
+            budget = placement.budget_of(worker.features.get("enforces"))
             if free <= 0 or (budget and placement.short_of(need, usage.granted, budget)):
                 continue
             score = (free, placement.room(need, usage.granted, budget or {}))

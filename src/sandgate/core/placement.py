@@ -16,8 +16,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from sandgate.core.caps import RESOURCES
+
 BUDGETED = ("memory_mb", "disk_mb")  # summed over a worker's sandboxes
-PER_SANDBOX = ("memory_mb", "cpus", "pids", "disk_mb")
+PER_SANDBOX = RESOURCES  # what one sandbox is granted: the same names the caps bound
 
 
 def usage(resources: Iterable[Mapping[str, Any]]) -> dict[str, int]:
@@ -31,17 +33,16 @@ def usage(resources: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     return total
 
 
-def budget_of(features: Mapping[str, Any]) -> dict[str, int] | None:
-    """The budget a worker reported, or None (an older worker: slots only)."""
-    enforces = features.get("enforces")
+def budget_of(enforces: Any) -> dict[str, int] | None:
+    """The budget in a worker's `enforces`, or None (an older worker: slots only)."""
     budget = enforces.get("budget") if isinstance(enforces, dict) else None
     if not isinstance(budget, dict):
         return None
     return {k: int(v) for k, v in budget.items() if k in BUDGETED and isinstance(v, int | float)}
 
 
-def sandbox_max_of(features: Mapping[str, Any]) -> dict[str, float]:
-    enforces = features.get("enforces")
+def sandbox_max_of(enforces: Any) -> dict[str, float]:
+    """The most one sandbox may get, from a worker's `enforces` (untrusted: filtered)."""
     most = enforces.get("sandbox_max") if isinstance(enforces, dict) else None
     if not isinstance(most, dict):
         return {}

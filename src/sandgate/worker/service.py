@@ -142,7 +142,7 @@ class WorkerService:
         """Refuse what this host cannot hold: one sandbox above its maximum (422), or one
         more than what is left of its budget (503, the control plane places elsewhere)."""
         need = spec.resources()
-        most = placement.sandbox_max_of({"enforces": self.enforces})
+        most = placement.sandbox_max_of(self.enforces)
         if (name := placement.too_large(need, most)) is not None:
             raise ResourceCapError(
                 f"{name} {need[name]:g} is more than this worker's host can give one sandbox "
@@ -150,7 +150,7 @@ class WorkerService:
                 cap=f"worker_max_{name}",
                 value=most[name],
             )
-        budget = placement.budget_of({"enforces": self.enforces})
+        budget = placement.budget_of(self.enforces)
         if budget:
             held = [
                 *(live.running.spec for live in self.state.sandboxes.values()),
