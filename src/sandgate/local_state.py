@@ -64,8 +64,9 @@ AGENT_STATE: Mapping[str, StateRow] = MappingProxyType(
     {
         "agent": StateRow(
             "the in-sandbox agent's open file handles, exec process groups, background processes "
-            "and terminals with their output buffers",
-            "64 handles; 256 processes/terminals with at most 1 MiB of output each",
+            "and terminals with their output buffers, directory watches with their events",
+            "64 handles; 256 processes/terminals with at most 1 MiB of output each; 64 watches "
+            "with at most 10,000 events each",
             "per-process by nature: one agent process per sandbox, gone with it",
         ),
     }
@@ -94,6 +95,24 @@ AGENT_GROWTH: tuple[tuple[str, str, str], ...] = (
         "the recent output of one process or terminal",
         "1 MiB (`PROCESS_BUFFER_BYTES`) and 4,096 chunks (`MAX_CHUNKS`) per process: the "
         "oldest output is dropped first",
+    ),
+    (
+        "agent `Watches._watchers`",
+        "directory watches (`watch_start`)",
+        "64 (`MAX_WATCHERS`): the oldest ended one is forgotten to make room; a start with 64 "
+        "active is refused",
+    ),
+    (
+        "agent watch events (`Watcher.events`)",
+        "the recent events of one directory watch",
+        "10,000 events (`MAX_EVENTS`) and 4 MiB (`MAX_BUFFER_BYTES`) per watch: the oldest are "
+        "dropped first",
+    ),
+    (
+        "agent `Watcher.dirs`, `Watcher.pending`",
+        "the directories a watch watches; names a new directory's first scan reported",
+        "the directories below the watched one, at most the kernel's "
+        "fs.inotify.max_user_watches; `pending` is emptied whenever the kernel's queue is",
     ),
     (
         "agent exec output",

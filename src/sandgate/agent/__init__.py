@@ -22,6 +22,7 @@ MODULES = (
     "procs",  # background processes and terminals: the requests
     "children",  # background processes and terminals: one child, forking a terminal
     "output",  # background processes and terminals: the bounded output buffer
+    "watch",  # directory watches (inotify): the requests, the watchers, their event buffers
 )
 
 

@@ -60,9 +60,12 @@ class Entry:
     """One background process or terminal."""
 
     __slots__ = (
+        "argv",
         "child",
         "command",
+        "cwd",
         "deadline",
+        "env",
         "exit_code",
         "exited_at",
         "exited_mono",
@@ -87,10 +90,16 @@ class Entry:
         *,
         terminal: bool,
         deadline: float | None = None,
+        argv: list[str] | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.child = child
         self.pid = child.pid
         self.command = command
+        self.argv = argv or []  # what was run, as the request gave it
+        self.cwd = cwd  # the working directory as the request named it (None: the default)
+        self.env = env or {}  # the variables the request added (not the whole environment)
         self.terminal = terminal
         self.deadline = deadline  # monotonic time of the timeout, if any
         self.started_at = iso_now()
@@ -157,6 +166,9 @@ class Entry:
         return {
             "pid": self.pid,
             "command": self.command,
+            "argv": self.argv,
+            "cwd": self.cwd,
+            "env": self.env,
             "state": "running" if self.exit_code is None else "exited",
             "exit_code": self.exit_code,
             "started_at": self.started_at,

@@ -55,16 +55,17 @@ def op_list(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]
 def op_mkdir(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
     target = paths.resolve(st.roots, req.get("path"))
     parents = bool_field(req, "parents", True)
+    exist_ok = bool_field(req, "exist_ok", parents)  # an existing directory is fine
     found = paths.lstat(target)
     if found is not None:
-        if stat.S_ISDIR(found.st_mode) and parents:
+        if stat.S_ISDIR(found.st_mode) and exist_ok:
             return {"entry": paths.entry(target.spath, found)}, b""
         raise AgentError("exists", f"{target.spath} already exists")
     if parents:
         try:
             os.makedirs(target.real)
         except FileExistsError:  # created meanwhile (a file in a parent gives ENOTDIR)
-            if not os.path.isdir(target.real):
+            if not exist_ok or not os.path.isdir(target.real):
                 raise AgentError("exists", f"{target.spath} already exists") from None
     else:
         os.mkdir(target.real)
@@ -106,7 +107,7 @@ def _move_across_filesystems(src: Target, dst: Target) -> None:
         return
     if dst_st is not None and stat.S_ISDIR(dst_st.st_mode):
         raise AgentError("is_a_directory", f"{dst.spath} is a directory")
-    temp = _temp_name(dst.real)
+    temp = paths.upload_temp_name(dst.real)
     try:
         shutil.copy2(src.real, temp, follow_symlinks=False)
         os.rename(temp, dst.real)
@@ -186,11 +187,6 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def _temp_name(target_real: str) -> str:
-    directory, name = posixpath.split(target_real)
-    return posixpath.join(directory, f".{name[:200]}.sandgate-{os.urandom(6).hex()}")
-
-
 def _open_nofollow(target: Target, flags: int, mode: int = 0o644) -> int:
     try:
         return os.open(target.real, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
@@ -255,7 +251,7 @@ def op_open_write(st: AgentState, req: Header, payload: bytes) -> tuple[Header, 
         raise AgentError("not_a_directory", f"a parent of {target.spath} is a file") from None
     if not paths.inside(os.path.realpath(directory), target.root):  # swapped meanwhile
         raise paths.outside(target.spath)
-    temp = _temp_name(target.real)
+    temp = paths.upload_temp_name(target.real)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     hid = _register(st, Handle("write", fd, target.spath, target.real, temp))
     return {"handle": hid}, b""

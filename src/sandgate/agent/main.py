@@ -8,15 +8,15 @@ sandbox's system Python with the standard library only:
     /usr/bin/python3 -I -S /opt/sandgate/agent.py --workspace /workspace --tmp /tmp
 
 Here: the frame loop, dispatch onto threads, and the agent's start and exit. The operations
-live in files.py (file operations and handles), execute.py (exec) and procs.py (background
-processes and terminals); everything the agent keeps in memory is the one ``AgentState``
-(state.py) made by main() and handed to every operation.
+live in files.py (file operations and handles), execute.py (exec), procs.py (background
+processes and terminals) and watch.py (directory watches); everything the agent keeps in
+memory is the one ``AgentState`` (state.py) made by main() and handed to every operation.
 
 Startup is on the sandbox-create latency path and one agent idles in every sandbox, so only
-cheap modules are imported here; subprocess, selectors, shutil and procs.py (with children.py
-and output.py) are imported on first use and ctypes (malloc tuning) just after the ready
-event. Each request runs on a daemon thread of its own, except that the operations on one
-handle run one after another in arrival order; stderr is the agent's log.
+cheap modules are imported here; subprocess, selectors, shutil, procs.py (with children.py
+and output.py) and watch.py are imported on first use and ctypes (malloc tuning) just after
+the ready event. Each request runs on a daemon thread of its own, except that the operations
+on one handle run one after another in arrival order; stderr is the agent's log.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
     from types import FrameType
 
-    from sandgate.agent import execute, files, frames, paths, procs
+    from sandgate.agent import execute, files, frames, paths, procs, watch
     from sandgate.agent.log import log
     from sandgate.agent.request import AgentError, Header
     from sandgate.agent.state import AgentState
@@ -90,6 +90,27 @@ def op_procs(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes
     return _registry(st).handle(str(req.get("op")), req, payload)
 
 
+# --------------------------------------------------------------------------- watches
+
+_WATCH_OPS = ("watch_start", "watch_read", "watch_stop")
+
+
+def _watches(st: AgentState) -> watch.Watches:
+    """The agent's directory watches, made (and watch.py imported) on first use."""
+    with st.watches_lock:
+        if st.closing:
+            raise AgentError("io_error", "the agent is shutting down")
+        if st.watches is None:
+            module = __import__("watch")  # watch.py, next to this file
+            st.watches = cast("watch.Watches", module.Watches(st.roots))
+        return st.watches
+
+
+def op_watches(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
+    """Every watch_* operation: see watch.py. watch_read long-polls on its own thread."""
+    return _watches(st).handle(str(req.get("op")), req, payload)
+
+
 def op_ping(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
     return {}, b""
 
@@ -113,6 +134,7 @@ HANDLERS = MappingProxyType(
         "read": files.op_read,
         "close_read": files.op_close_read,
         **dict.fromkeys(_PROC_OPS, op_procs),
+        **dict.fromkeys(_WATCH_OPS, op_watches),
     }
 )
 
@@ -193,11 +215,15 @@ def _drain(st: AgentState, key: tuple[str, int]) -> None:
 
 
 def _shutdown(st: AgentState, status: int) -> None:
-    """Kill every process group started by exec or procs, drop unfinished uploads, exit."""
+    """Kill every process group started by exec or procs, stop every directory watch, drop
+    unfinished uploads, exit."""
     execute.stop(st)
     with st.registry_lock:
         if st.registry is not None:
             st.registry.shutdown()
+    with st.watches_lock:
+        if st.watches is not None:
+            st.watches.shutdown()
     files.drop_uploads(st)
     try:
         sys.stderr.flush()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+import re
 import stat
 import time
 from types import MappingProxyType
@@ -144,3 +145,17 @@ def lstat(target: Target) -> os.stat_result | None:
 
 def lstat_entry(target: Target) -> Header:
     return entry(target.spath, os.lstat(target.real))
+
+
+# an upload is written beside its destination under this name, renamed onto it when complete
+_UPLOAD_TEMP = re.compile(r"\..+\.sandgate-[0-9a-f]{12}", re.DOTALL)
+
+
+def upload_temp_name(target_real: str) -> str:
+    directory, name = posixpath.split(target_real)
+    return posixpath.join(directory, f".{name[:200]}.sandgate-{os.urandom(6).hex()}")
+
+
+def is_upload_temp(name: str) -> bool:
+    """Whether a directory entry is an upload in progress (watches do not report those)."""
+    return _UPLOAD_TEMP.fullmatch(posixpath.basename(name)) is not None

@@ -180,6 +180,35 @@ class Registry:
                 env[name] = value
         return env
 
+    def _argv(self, req: Header) -> list[str] | None:
+        """``argv``: a program and its arguments, run as given (instead of ``command``)."""
+        value = req.get("argv")
+        if value is None:
+            return None
+        if (
+            not isinstance(value, list)
+            or not value
+            or len(value) > 4096
+            or not all(isinstance(arg, str) and "\x00" not in arg for arg in value)
+            or not value[0]
+        ):
+            raise self._invalid("'argv' must be a non-empty list of strings without NUL bytes")
+        return value
+
+    def _program(self, name: str) -> str:
+        """A program named by path is run as it is; a bare name is looked up on PATH."""
+        return name if "/" in name else self._which(name)
+
+    def _asked(self, req: Header, argv: list[str] | None) -> dict[str, Any]:
+        """What the request asked to run, as ``proc_list`` shows it back."""
+        env = req.get("env")
+        cwd = req.get("cwd")
+        return {
+            "argv": argv,
+            "cwd": cwd if isinstance(cwd, str) else None,
+            "env": dict(env) if isinstance(env, dict) else None,
+        }
+
     def _shell(self) -> str:
         try:
             return self._which("bash")
@@ -245,12 +274,20 @@ class Registry:
     def _proc_start(self, req: Header, payload: bytes) -> tuple[Header, bytes]:
         import subprocess
 
-        command = self._command(req, required=True)
-        assert command is not None
+        given = self._argv(req)
+        if given is None:
+            command = self._command(req, required=True)
+            assert command is not None
+            argv = [self._shell(), "-c", command]
+        else:
+            command = " ".join(given)
+            argv = [self._program(given[0]), *given[1:]]
+        stdin = req.get("stdin", True)
+        if not isinstance(stdin, bool):
+            raise self._invalid("'stdin' must be a boolean")
         timeout = self._timeout(req)
         env = self._environment(req, {"PYTHONUNBUFFERED": "1"})
         cwd = self._cwd(req)
-        argv = [self._shell(), "-c", command]
         with self._lock:
             self._admit()
             pipes: list[int] = []
@@ -276,7 +313,12 @@ class Registry:
                 os.close(fd)
             os.set_blocking(in_w, False)
             deadline = None if timeout is None else started + timeout
-            entry = Entry(child, command, in_w, terminal=False, deadline=deadline)
+            entry = Entry(
+                child, command, in_w, terminal=False, deadline=deadline, **self._asked(req, given)
+            )
+            if not stdin:  # the command reads end-of-file at once
+                close_write_fd(entry)
+                entry.stdin_closed = True
             self._launch(entry, {out_r: "stdout", err_r: "stderr"})
         return {"pid": entry.pid, "started_at": entry.started_at}, b""
 
@@ -407,12 +449,16 @@ class Registry:
         import struct
         import termios
 
-        command = self._command(req, required=False)
+        given = self._argv(req)
+        command = None if given is not None else self._command(req, required=False)
         cols = self._int(req, "cols", 1, 0xFFFF, PTY_DEFAULT_SIZE[0])
         rows = self._int(req, "rows", 1, 0xFFFF, PTY_DEFAULT_SIZE[1])
         env = self._environment(req, {"PYTHONUNBUFFERED": "1", "TERM": "xterm-256color"})
         cwd = self._cwd(req)
-        if command is not None:
+        if given is not None:
+            argv = [self._program(given[0]), *given[1:]]
+            command = " ".join(given)
+        elif command is not None:
             argv = [self._shell(), "-c", command]
         else:
             try:
@@ -433,7 +479,7 @@ class Registry:
             finally:
                 os.close(slave)
             os.set_blocking(master, False)
-            entry = Entry(Forked(pid), command, master, terminal=True)
+            entry = Entry(Forked(pid), command, master, terminal=True, **self._asked(req, given))
             self._launch(entry, {master: "pty"})
         return {"pid": entry.pid, "started_at": entry.started_at}, b""
 

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sandgate.agent import procs
+    from sandgate.agent import procs, watch
     from sandgate.agent.request import Header
 
 
@@ -34,6 +34,8 @@ class AgentState:
         "registry_lock",
         "roots",
         "sandbox_env",
+        "watches",
+        "watches_lock",
         "which_cache",
         "write_lock",
     )
@@ -56,6 +58,10 @@ class AgentState:
         # request; re-entered when a signal arrives during shutdown
         self.registry_lock = threading.RLock()
         self.registry: procs.Registry | None = None
+        # directory watches (watch.py), made by the first watch_* request; re-entered when a
+        # signal arrives during shutdown
+        self.watches_lock = threading.RLock()
+        self.watches: watch.Watches | None = None
         # requests waiting for one handle or pid, in arrival order (main.py)
         self.queues_lock = threading.Lock()
         self.queues: dict[tuple[str, int], list[tuple[int, Header, bytes]]] = {}

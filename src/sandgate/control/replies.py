@@ -66,6 +66,10 @@ class Process(_Reply):
     started_at: datetime
     exited_at: datetime | None = None
     terminal: bool = False
+    # what the start asked for: the E2B surface lists processes with these
+    argv: list[str] = Field(default_factory=list, exclude=True)
+    cwd: str | None = Field(default=None, exclude=True)
+    env: dict[str, str] = Field(default_factory=dict, exclude=True)
 
 
 class ProcessesReply(_Reply):
@@ -84,6 +88,27 @@ class WrittenReply(_Reply):
     written: int = Field(default=0, ge=0)
 
 
+class WatchEvent(_Reply):
+    """One change below a watched directory (the agent's watch.py)."""
+
+    name: str  # relative to the watched directory: "a.txt", "sub/b.txt"
+    path: str  # the full sandbox path
+    type: Literal["create", "write", "remove", "rename", "chmod"]
+
+
+class WatchStartReply(_Reply):
+    watch: str = Field(min_length=1, max_length=64)
+
+
+class WatchReadReply(_Reply):
+    events: list[WatchEvent] = Field(default_factory=list)
+    next_offset: int = Field(ge=0)
+    first_offset: int = Field(default=0, ge=0)
+    dropped: int = Field(default=0, ge=0)
+    ended: bool = False
+    overflowed: bool = False
+
+
 R = TypeVar("R", bound=_Reply)
 
 
@@ -95,3 +120,16 @@ def parse(model: type[R], reply: dict[str, Any]) -> R:
             f"the sandbox sent a malformed answer ({exc.error_count()} problems); "
             "it may have been tampered with from inside"
         ) from None
+
+
+class MetricsReply(_Reply):
+    """A worker's `metrics` answer: what one of its sandboxes uses (`worker/metrics.py`)."""
+
+    timestamp: float = Field(gt=0)
+    cpu_count: int = Field(ge=1)
+    cpu_used_pct: float = Field(ge=0, le=100)
+    mem_used: int = Field(ge=0)
+    mem_total: int = Field(gt=0)
+    mem_cache: int = Field(ge=0)
+    disk_used: int = Field(ge=0)
+    disk_total: int = Field(ge=0)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,14 +30,18 @@ from sandgate.control.replies import (
     EntryReply,
     ExecReply,
     HandleReply,
+    MetricsReply,
     OpenReadReply,
     OutputReply,
     PidReply,
     Process,
     ProcessesReply,
+    WatchReadReply,
+    WatchStartReply,
     WrittenReply,
     parse,
 )
+from sandgate.control.replies import WatchEvent as WatchEvent  # re-exported: WatchPage.events
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.workers import WorkerRegistry
 from sandgate.core.output import decode_output, split_output
@@ -80,6 +84,18 @@ class OutputPage:
 class Download:
     size: int
     chunks: AsyncIterator[bytes]  # closes the sandbox's handle when done or dropped
+
+
+@dataclass(frozen=True)
+class WatchPage:
+    """One read of a directory watch's events (at an offset, or at the watch's own cursor)."""
+
+    events: list[WatchEvent]
+    next_offset: int
+    first_offset: int  # the oldest event still kept: more than asked for was dropped
+    dropped: int  # events this read skipped because they fell out of the watch's buffer
+    ended: bool  # the watched directory is gone and every event was read
+    overflowed: bool  # the kernel lost events (its queue overflowed) since the watch started
 
 
 class Toolbox:
@@ -221,8 +237,14 @@ class Toolbox:
         raw, _ = await self._call(tenant, name, "list", {"path": path})
         return parse(EntriesReply, raw).entries
 
-    async def mkdir(self, tenant: TenantId, name: str, path: str, *, parents: bool) -> Entry:
-        raw, _ = await self._call(tenant, name, "mkdir", {"path": path, "parents": parents})
+    async def mkdir(
+        self, tenant: TenantId, name: str, path: str, *, parents: bool, exist_ok: bool | None = None
+    ) -> Entry:
+        """`exist_ok` (default: `parents`): an existing directory is an answer, not `exists`."""
+        fields: dict[str, Any] = {"path": path, "parents": parents}
+        if exist_ok is not None:
+            fields["exist_ok"] = exist_ok
+        raw, _ = await self._call(tenant, name, "mkdir", fields)
         return parse(EntryReply, raw).entry
 
     async def move(
@@ -240,13 +262,19 @@ class Toolbox:
         self,
         tenant: TenantId,
         name: str,
-        command: str,
+        command: str | Sequence[str],
         *,
         cwd: str | None,
         env: Mapping[str, str],
         time_limit: float | None,
+        stdin: bool = True,
     ) -> int:
-        fields = {"command": command, "cwd": cwd, "env": dict(env), "timeout": time_limit}
+        """`command`: a shell command line, or a program and its arguments (run as given).
+        `stdin=False`: the process reads end-of-file at once."""
+        fields: dict[str, Any] = {"cwd": cwd, "env": dict(env), "timeout": time_limit}
+        fields |= {"command": command} if isinstance(command, str) else {"argv": list(command)}
+        if not stdin:
+            fields["stdin"] = False
         raw, _ = await self._call(tenant, name, "proc_start", fields)
         return parse(PidReply, raw).pid
 
@@ -278,11 +306,27 @@ class Toolbox:
 
     # -- terminals -------------------------------------------------------------------------
     async def open_terminal(
-        self, tenant: TenantId, name: str, *, cols: int, rows: int, command: str | None
+        self,
+        tenant: TenantId,
+        name: str,
+        *,
+        cols: int,
+        rows: int,
+        command: str | Sequence[str] | None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> int:
+        """`command`: a shell command line, a program and its arguments, or None (a login
+        shell)."""
         fields: dict[str, Any] = {"cols": cols, "rows": rows}
-        if command:
+        if isinstance(command, str) and command:
             fields["command"] = command
+        elif command and not isinstance(command, str):
+            fields["argv"] = list(command)
+        if cwd is not None:
+            fields["cwd"] = cwd
+        if env:
+            fields["env"] = dict(env)
         raw, _ = await self._call(tenant, name, "pty_open", fields)
         return parse(PidReply, raw).pid
 
@@ -318,6 +362,62 @@ class Toolbox:
             chunks, reply.first_offset, reply.next_offset, reply.exited, reply.exit_code
         )
 
+    # -- watches ---------------------------------------------------------------------------
+    async def watch_start(self, tenant: TenantId, name: str, path: str, *, recursive: bool) -> str:
+        """Watch a directory (and, `recursive`, every directory below it, also those created
+        later); the watch's id. Events are kept from now on: read them with `watch_read`."""
+        fields = {"path": path, "recursive": recursive}
+        raw, _ = await self._call(tenant, name, "watch_start", fields)
+        return parse(WatchStartReply, raw).watch
+
+    async def watch_read(
+        self, tenant: TenantId, name: str, watch_id: str, offset: int | None, *, wait: float
+    ) -> WatchPage:
+        """Events from `offset` on, or (None) those not read yet through the watch's own
+        cursor, each once; waits up to `wait` seconds (at most 30) for one."""
+        fields: dict[str, Any] = {"watch": watch_id, "wait": wait}
+        if offset is not None:
+            fields["offset"] = offset
+        raw, _ = await self._call(tenant, name, "watch_read", fields, seconds=wait + RELAY_GRACE)
+        reply = parse(WatchReadReply, raw)
+        return WatchPage(
+            reply.events,
+            reply.next_offset,
+            reply.first_offset,
+            reply.dropped,
+            reply.ended,
+            reply.overflowed,
+        )
+
+    async def watch_stop(self, tenant: TenantId, name: str, watch_id: str) -> None:
+        await self._call(tenant, name, "watch_stop", {"watch": watch_id})
+
+    # -- metrics ---------------------------------------------------------------------------
+    async def metrics(self, tenant: TenantId, name: str) -> SandboxMetrics:
+        """What the tenant's running sandbox uses now, measured by its worker on its host
+        (its cgroups and file system: `worker/metrics.py` says where each figure comes
+        from). Takes about 0.1 s when the sandbox was not measured in the last 30 s."""
+        sandbox = await self.sandboxes.running(tenant, name)
+        raw, _ = await self.workers.request(
+            sandbox.worker, "metrics", {"name": sandbox.name}, b"", wait=METRICS_SECONDS
+        )
+        try:
+            reply = parse(MetricsReply, raw)
+        except WorkerError:
+            raise WorkerError(
+                f"worker {sandbox.worker} sent a malformed metrics answer for {sandbox.name}"
+            ) from None
+        return SandboxMetrics(
+            timestamp=reply.timestamp,
+            cpu_count=reply.cpu_count,
+            cpu_used_pct=reply.cpu_used_pct,
+            mem_used=reply.mem_used,
+            mem_total=reply.mem_total,
+            mem_cache=reply.mem_cache,
+            disk_used=reply.disk_used,
+            disk_total=reply.disk_total,
+        )
+
 
 def _refuse_past_the_quota(sandbox: Sandbox, declared: int | None) -> None:
     """An upload whose declared size cannot fit the sandbox's disk quota is refused before
@@ -330,3 +430,21 @@ def _refuse_past_the_quota(sandbox: Sandbox, declared: int | None) -> None:
             "sandbox with a larger disk_mb",
             code="disk_quota_exceeded",
         )
+
+
+# -- metrics -------------------------------------------------------------------------------
+METRICS_SECONDS = 10.0  # a worker measures a sandbox in about 0.1 s (a CPU sampling window)
+
+
+@dataclass(frozen=True)
+class SandboxMetrics:
+    """What one running sandbox uses (bytes, unix seconds), as its worker measured it."""
+
+    timestamp: float
+    cpu_count: int  # its CPU limit rounded up, or the host's CPUs when it has none
+    cpu_used_pct: float  # CPU used since the previous measurement (or over 0.1 s), of cpu_count
+    mem_used: int
+    mem_total: int  # its memory limit, or the host's memory when it has none
+    mem_cache: int  # page cache, part of mem_used
+    disk_used: int
+    disk_total: int  # its disk quota's file system, or the one its workspace is on

@@ -8,6 +8,7 @@ Tunnel operations (server → worker):
 | `destroy` | `name` | `existed` |
 | `list` | | `sandboxes` [names], `tearing_down` [names being destroyed] |
 | `agent` | `sandbox`, `call` {op, ...}, payload | the agent's answer, relayed |
+| `metrics` | `name` | `timestamp`, `cpu_count`, `cpu_used_pct`, `mem_*`, `disk_*` (`metrics`) |
 
 Events (worker → server): `hello` on connect and `heartbeat` (both carry `sandboxes`, what
 runs, and `tearing_down`, what is still being destroyed), `sandbox_exited` {name, reason}.
@@ -32,7 +33,7 @@ from sandgate.errors import (
     StorageFullError,
     WorkerError,
 )
-from sandgate.worker import disk
+from sandgate.worker import disk, metrics
 from sandgate.worker.agent_link import AgentLink
 from sandgate.worker.runtime.base import Runtime, SandboxSpec
 from sandgate.worker.state import LiveSandbox, Starting, WorkerLocalState
@@ -99,6 +100,8 @@ class WorkerService:
         if op == "destroy":
             existed = await self.destroy(str(header.get("name", "")))
             return {"existed": existed}, b""
+        if op == "metrics":
+            return await self._metrics(str(header.get("name", ""))), b""
         if op == "list":
             return {
                 "sandboxes": sorted(self.state.sandboxes),
@@ -212,6 +215,7 @@ class WorkerService:
         """Move a sandbox from the running to the tearing-down record (no await between)."""
         live.stopping = True
         self.state.tearing_down[live.name] = live
+        self.state.cpu_samples.pop(live.name, None)
 
     def _teardown_task(self, name: str) -> asyncio.Task[None]:
         """The one task tearing `name` down, started if none runs; it outlives its callers."""
@@ -323,10 +327,7 @@ class WorkerService:
             log.warning("sandbox.exit_not_reported", extra={"sandbox": live.name})
 
     async def _relay(self, header: Header, payload: bytes) -> tuple[Header, bytes]:
-        name = str(header.get("sandbox", ""))
-        live = self.state.sandboxes.get(name)
-        if live is None:
-            raise ConflictError(f"sandbox {name} is not running", code="not_running")
+        live = self._running(str(header.get("sandbox", "")))
         call = header.get("call")
         if not isinstance(call, dict) or not isinstance(call.get("op"), str):
             raise InvalidRequestError("agent relay needs a call with an op")
@@ -340,6 +341,25 @@ class WorkerService:
         reply.pop("id", None)
         reply.pop("ok", None)
         return reply, body
+
+    async def _metrics(self, name: str) -> Header:
+        """What the sandbox uses now, measured on this host (`worker/metrics.py`)."""
+        live = self._running(name)
+        try:
+            measured, sample = await metrics.measure(live.running, self.state.cpu_samples.get(name))
+        except (OSError, ValueError) as exc:
+            self._running(name)  # stopped meanwhile: that is the answer
+            raise WorkerError(f"cannot measure sandbox {name}: {exc}") from exc
+        if self._running(name) is not live:  # figures of a sandbox torn down meanwhile
+            raise ConflictError(f"sandbox {name} is not running", code="not_running")
+        self.state.cpu_samples[name] = sample
+        return measured.header()
+
+    def _running(self, name: str) -> LiveSandbox:
+        live = self.state.sandboxes.get(name)
+        if live is None:
+            raise ConflictError(f"sandbox {name} is not running", code="not_running")
+        return live
 
     def _storage_full(self, spec: SandboxSpec, exc: StorageFullError) -> StorageFullError:
         """The agent's ENOSPC, told as what filled up and what the caller may do."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from sandgate.local_state import StateRow
 from sandgate.worker.agent_link import AgentLink
+from sandgate.worker.metrics import CpuSample
 from sandgate.worker.runtime.base import RunningSandbox, SandboxSpec
 
 
@@ -57,6 +58,9 @@ class WorkerLocalState:
     # sandbox name -> the task tearing it down (one per sandbox; it outlives the request that
     # asked for it, so a dropped link never interrupts a destroy).
     teardowns: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    # sandbox name -> its CPU time at the last `metrics` call, so the next one measures the
+    # CPU used since (worker/metrics.py); dropped when the sandbox stops running.
+    cpu_samples: dict[str, CpuSample] = field(default_factory=dict)
 
 
 WORKER_STATE: Mapping[str, StateRow] = MappingProxyType(
@@ -81,6 +85,11 @@ WORKER_STATE: Mapping[str, StateRow] = MappingProxyType(
             "the task tearing each of those sandboxes down",
             "one per sandbox being destroyed",
             "per-process by nature; awaited by the worker's shutdown",
+        ),
+        "WorkerLocalState.cpu_samples": StateRow(
+            "each running sandbox's CPU time at its last metrics call",
+            "one small record per running sandbox (dropped when it stops)",
+            "per-process by nature: the sandbox's cgroup and processes are on this worker's host",
         ),
     }
 )

@@ -39,6 +39,12 @@ class RunningSandbox:
     workspace: Path  # host path of /workspace
     # runtime-private handles (uid lease, cgroup paths, ...) needed by stop()
     private: dict[str, Any] = field(default_factory=dict)
+    # what the worker measures it by (worker/metrics.py): its leaf cgroups, one per hierarchy
+    # (none: its process tree instead); the mount point of its own file system (/workspace
+    # and /tmp), or without one the host directories it writes to on a shared file system
+    cgroup_dirs: tuple[Path, ...] = ()
+    disk: Path | None = None
+    scratch: tuple[Path, ...] = ()
 
 
 class Runtime(Protocol):

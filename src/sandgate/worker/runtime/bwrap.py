@@ -226,11 +226,12 @@ class BwrapRuntime:
             dir_created = True
             os.chmod(sandbox_dir, 0o711)
             tmp: Path | None = None
+            own_disk: Path | None = None
             if self._disk_problem is None:
                 made = await asyncio.to_thread(
                     disk.create, sandbox_dir, disk_mb=spec.disk_mb, uid=uid
                 )
-                workspace, tmp = made.workspace, made.tmp
+                workspace, tmp, own_disk = made.workspace, made.tmp, made.mount_point
             else:
                 workspace = sandbox_dir / "workspace"
                 workspace.mkdir(mode=0o700)
@@ -288,6 +289,9 @@ class BwrapRuntime:
                 "log_path": log_path,
                 "stopped": False,
             },
+            cgroup_dirs=tuple(cg.dirs),
+            disk=own_disk,
+            scratch=() if own_disk is not None else (workspace,),  # /tmp: a tmpfs, in memory
         )
 
     def _check_agent_dir(self) -> None:

@@ -151,6 +151,7 @@ class ProcessRuntime:
             process=process,
             workspace=workspace,
             private={"sandbox_dir": sandbox_dir, "log_path": log_path, "stopped": False},
+            scratch=(workspace, sandbox_dir / "tmp"),
         )
 
     async def close(self) -> None:
