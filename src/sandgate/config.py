@@ -19,6 +19,8 @@ class ServerSettings(_Frozen):
     port: int = 8080
     node_url: str | None = None  # reachable by peers; what this instance writes in tunnel_owners
     secret: str = ""  # shared by every instance (tokens, internal signatures)
+    # E2B-compatible surface (api/e2b): sandboxes answer at {port}-{id}.<e2b_domain> too
+    e2b_domain: str | None = None
     # sandboxes
     templates: tuple[str, ...] = ("default",)  # what `template` may name
     default_timeout: float = 300.0  # seconds of life when a create names none

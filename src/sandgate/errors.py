@@ -69,6 +69,12 @@ class IdempotencyMismatchError(InvalidRequestError):
     code = "idempotency_key_reused"
 
 
+class NotSupportedError(SandgateError):
+    """What sandgate does not do (yet): the message says what works instead."""
+
+    code = "not_supported"
+
+
 class PathOutsideSandboxError(InvalidRequestError):
     code = "path_outside_sandbox"
 
@@ -229,6 +235,7 @@ WIRE_CODES: Mapping[str, type[SandgateError]] = MappingProxyType(
         "network_unavailable": NetworkUnavailableError,
         "resource_cap_exceeded": ResourceCapError,
         "payload_too_large": PayloadTooLargeError,
+        "not_supported": NotSupportedError,
         # who asks
         "unauthorized": AuthError,
         "forbidden": ForbiddenError,

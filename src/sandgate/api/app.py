@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from sandgate.api import errors
 from sandgate.api.deps import Services
+from sandgate.api.e2b.dispatch import E2BDispatch
 from sandgate.api.internal_auth import InternalAuth
 from sandgate.api.limits import BodyLimit
 from sandgate.api.routes import (
@@ -136,8 +137,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
         streaming_suffixes=("/toolbox/files", "/stdin"),
         idle_timeout=settings.body_idle_timeout,
     )
-    # outermost: before any parsing
     app.add_middleware(
         InternalAuth, secret=settings.secret, idle_timeout=settings.body_idle_timeout
     )
+    # outermost: E2B's REST API and envd (api/e2b) share the port, each with its own limits
+    app.add_middleware(E2BDispatch, state=app.state, settings=settings)
     return app

@@ -1,10 +1,16 @@
-"""The only place that knows HTTP statuses: domain errors → `{"error": {code, message}}`."""
+"""The only place that knows HTTP statuses: domain errors → `{"error": {code, message}}`.
+
+The E2B-compatible routes (api/e2b) answer the same statuses in the body E2B's SDKs parse,
+`{"code": <status>, "message": ...}`: `install(app, shape=e2b_body)`.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from types import MappingProxyType
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,6 +38,7 @@ _STATUS: tuple[tuple[type[e.SandgateError], int], ...] = (
     (e.SandboxTimeoutError, 504),
     (e.WorkerError, 502),
     (e.StoreError, 503),
+    (e.NotSupportedError, 501),
 )
 
 _HTTP_CODES = MappingProxyType(
@@ -54,69 +61,85 @@ def status_of(exc: e.SandgateError) -> int:
     return 500
 
 
+Shape = Callable[[int, str, str, dict[str, str]], dict[str, Any]]
+
+
+def native_body(status: int, code: str, message: str, extra: dict[str, str]) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, **extra}}
+
+
+def e2b_body(status: int, code: str, message: str, extra: dict[str, str]) -> dict[str, Any]:
+    """What E2B's SDKs parse (`Error.from_dict`): the status as `code`, and `message`."""
+    return {"code": status, "message": message}
+
+
 def error_response(
     status: int,
     code: str,
     message: str,
     headers: dict[str, str] | None = None,
+    *,
+    shape: Shape = native_body,
     **extra: str,
 ) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"code": code, "message": message, **extra}}, status_code=status, headers=headers
-    )
+    return JSONResponse(shape(status, code, message, extra), status_code=status, headers=headers)
 
 
 def retry_after_header(seconds: float) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
-async def _domain(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, e.SandgateError)
-    status = status_of(exc)
-    headers = None
-    extra: dict[str, str] = {}
-    if isinstance(exc, e.UnavailableError):
-        headers = retry_after_header(exc.retry_after)
-    elif isinstance(exc, e.LimitExceededError):
-        headers = retry_after_header(exc.retry_after)
-        extra["limit"] = exc.limit
-    elif isinstance(exc, e.StoreError):
-        headers = {"Retry-After": "1"}
-    elif isinstance(exc, e.ResourceCapError):
-        extra["limit"] = exc.cap
-        extra["max"] = f"{exc.value:g}"
-    if status >= 500:
-        log.warning("request.failed", extra={"code": exc.code, "error": exc.message})
-    return error_response(status, exc.code, exc.message, headers, **extra)
+def install(app: FastAPI, *, shape: Shape = native_body, validation_status: int = 422) -> None:
+    """Answer every error of `app` in `shape`; a body that fails validation gets
+    `validation_status` (422 natively; E2B's SDKs expect 400)."""
 
+    async def _domain(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, e.SandgateError)
+        status = status_of(exc)
+        headers = None
+        extra: dict[str, str] = {}
+        if isinstance(exc, e.UnavailableError):
+            headers = retry_after_header(exc.retry_after)
+        elif isinstance(exc, e.LimitExceededError):
+            headers = retry_after_header(exc.retry_after)
+            extra["limit"] = exc.limit
+        elif isinstance(exc, e.StoreError):
+            headers = {"Retry-After": "1"}
+        elif isinstance(exc, e.ResourceCapError):
+            extra["limit"] = exc.cap
+            extra["max"] = f"{exc.value:g}"
+        if status >= 500:
+            log.warning("request.failed", extra={"code": exc.code, "error": exc.message})
+        return error_response(status, exc.code, exc.message, headers, shape=shape, **extra)
 
-async def _validation(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
-    problems = exc.errors()
-    if any(p.get("type") == "json_invalid" for p in problems):
-        return error_response(400, "invalid_json", "the request body is not valid JSON")
-    parts = []
-    for problem in problems[:5]:
-        where = ".".join(str(x) for x in problem.get("loc", ()) if x != "body") or "body"
-        parts.append(f"{where}: {problem.get('msg', 'invalid')}")
-    return error_response(422, "validation_error", "; ".join(parts))
+    async def _validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        problems = exc.errors()
+        if any(p.get("type") == "json_invalid" for p in problems):
+            return error_response(
+                400, "invalid_json", "the request body is not valid JSON", shape=shape
+            )
+        parts = []
+        for problem in problems[:5]:
+            where = ".".join(str(x) for x in problem.get("loc", ()) if x != "body") or "body"
+            parts.append(f"{where}: {problem.get('msg', 'invalid')}")
+        return error_response(validation_status, "validation_error", "; ".join(parts), shape=shape)
 
+    async def _http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        code = _HTTP_CODES.get(exc.status_code, "http_error")
+        message = str(exc.detail) if exc.detail else code.replace("_", " ")
+        if exc.status_code == 404 and exc.detail == "Not Found":
+            message = f"no route for {request.method} {request.url.path}"
+        headers = dict(exc.headers or {}) or None
+        return error_response(exc.status_code, code, message, headers, shape=shape)
 
-async def _http(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, StarletteHTTPException)
-    code = _HTTP_CODES.get(exc.status_code, "http_error")
-    message = str(exc.detail) if exc.detail else code.replace("_", " ")
-    if exc.status_code == 404 and exc.detail == "Not Found":
-        message = f"no route for {request.method} {request.url.path}"
-    return error_response(exc.status_code, code, message, dict(exc.headers or {}) or None)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request.crashed", extra={"path": request.url.path})
+        return error_response(
+            500, "internal", "internal error; the server log has the details", shape=shape
+        )
 
-
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("request.crashed", extra={"path": request.url.path})
-    return error_response(500, "internal", "internal error; the server log has the details")
-
-
-def install(app: FastAPI) -> None:
     app.add_exception_handler(e.SandgateError, _domain)
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(StarletteHTTPException, _http)

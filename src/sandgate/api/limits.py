@@ -21,6 +21,8 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sandgate.api.errors import Shape, native_body
+
 log = logging.getLogger(__name__)
 
 
@@ -38,12 +40,14 @@ class BodyLimit:
         streaming_suffixes: tuple[str, ...],
         idle_timeout: float = BODY_IDLE_TIMEOUT,
         keyed_prefix: str = "/api/",
+        shape: Shape = native_body,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.streaming_suffixes = streaming_suffixes
         self.idle_timeout = idle_timeout
         self.keyed_prefix = keyed_prefix
+        self.shape = shape  # the body of its refusals (api.errors)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -62,6 +66,7 @@ class BodyLimit:
                 "unauthorized",
                 "missing credentials: send Authorization: Bearer <api key> or X-API-Key",
                 close=True,
+                shape=self.shape,
             )
             return
         streaming = path.endswith(self.streaming_suffixes)
@@ -69,10 +74,11 @@ class BodyLimit:
             try:
                 declared = int(headers[b"content-length"])
             except ValueError:
-                await reject(send, 400, "bad_request", "Content-Length is not a number", close=True)
+                message = "Content-Length is not a number"
+                await reject(send, 400, "bad_request", message, close=True, shape=self.shape)
                 return
             if declared > self.max_bytes:
-                await _too_large(send, self.max_bytes)
+                await _too_large(send, self.shape, self.max_bytes)
                 return
         await _Guarded(self, scope, receive, send, streaming=streaming).run()
 
@@ -154,17 +160,26 @@ class _Guarded:
         if self.started:  # too late for an answer of our own: the handler's stands, cut short
             return
         self.answered = True
-        await reject(self._send, status, code, text, close=True)
+        await reject(self._send, status, code, text, close=True, shape=self.limit.shape)
 
 
-async def _too_large(send: Send, limit: int) -> None:
-    await reject(send, 413, "payload_too_large", f"request body over {limit} bytes", close=True)
+async def _too_large(send: Send, shape: Shape, limit: int) -> None:
+    message = f"request body over {limit} bytes"
+    await reject(send, 413, "payload_too_large", message, close=True, shape=shape)
 
 
-async def reject(send: Send, status: int, code: str, message: str, *, close: bool = False) -> None:
+async def reject(
+    send: Send,
+    status: int,
+    code: str,
+    message: str,
+    *,
+    close: bool = False,
+    shape: Shape = native_body,
+) -> None:
     """Answer with a sandgate error; `close`: the body was not read, so the connection
     closes after the answer (uvicorn does so on `Connection: close`)."""
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    body = json.dumps(shape(status, code, message, {})).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

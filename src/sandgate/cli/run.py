@@ -91,6 +91,15 @@ def server(
             envvar="SANDGATE_QUEUE_TIMEOUT", min=0.1, help="seconds a queued create waits"
         ),
     ] = 120.0,
+    e2b_domain: Annotated[
+        str | None,
+        typer.Option(
+            envvar="SANDGATE_E2B_DOMAIN",
+            help="E2B's SDKs reach sandboxes at {port}-{sandboxID}.<domain> (behind a TLS "
+            "proxy with a wildcard certificate): requests with such a Host go to the "
+            "sandbox's envd; users then set only E2B_DOMAIN (docs/e2b.md)",
+        ),
+    ] = None,
     tenant_share: Annotated[
         float | None,
         typer.Option(
@@ -249,6 +258,7 @@ def server(
         queue_limit=queue_limit,
         queue_timeout=queue_timeout,
         tenant_share=tenant_share,
+        e2b_domain=e2b_domain,
         breaker_threshold=breaker_threshold,
         breaker_window=breaker_window,
         breaker_open=breaker_open,

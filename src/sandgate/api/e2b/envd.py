@@ -1,0 +1,190 @@
+"""envd's front door: every request for a sandbox's envd is authenticated and resolved here,
+then handed to the Connect services (`process`, `filesystem`) or to `/files` and `/health`.
+
+In this order, so nothing about a sandbox is revealed before its credential is checked:
+
+1. the sandbox's envd port (49983) is the only one served here (others: 502, saying so);
+2. the credential: `X-Access-Token` (the `envdAccessToken` create answered), or for
+   `/files` a signed URL. Missing: 401. Present but not this sandbox's: the sandbox "was not
+   found" (502), exactly as for an unknown id, so another tenant's sandbox looks like none;
+3. `Authorization: Basic` naming a user other than the sandbox's one: 400;
+4. the sandbox must be running (502 "The sandbox … was not found" otherwise: E2B's SDK
+   raises SandboxNotRunningException on that message).
+
+Refusals made here answer `{"code": <status>, "message"}` with the HTTP status, as E2B's own
+edge does; the SDK maps both the Connect and the plain form.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import time
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from connectrpc.server import ConnectASGIApplication
+from starlette.datastructures import State
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from sandgate.api import errors as api_errors
+from sandgate.api.deps import Services
+from sandgate.api.e2b import files
+from sandgate.api.e2b.caller import CALLER, EnvdCaller, check_user, not_found_message
+from sandgate.api.e2b.codecs import envd_codecs
+from sandgate.api.e2b.envd_pb.filesystem.filesystem_connect import FilesystemASGIApplication
+from sandgate.api.e2b.envd_pb.process.process_connect import ProcessASGIApplication
+from sandgate.api.e2b.filesystem import FilesystemService
+from sandgate.api.e2b.process import ProcessService
+from sandgate.control.toolbox import Toolbox
+from sandgate.core import e2b_auth
+from sandgate.errors import ConflictError, SandgateError
+from sandgate.store.base import SandboxName
+
+log = logging.getLogger(__name__)
+
+ENVD_PORT = 49983
+MAX_MESSAGE_BYTES = 4 << 20  # one Connect message (a larger one: resource_exhausted)
+
+
+def refuse(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+class EnvdFront:
+    """The ASGI app of every request carrying `E2b-Sandbox-Id` (api.e2b.dispatch)."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state  # the native app's: its lifespan puts the services there
+        process = ProcessASGIApplication(
+            ProcessService(self._toolbox), read_max_bytes=MAX_MESSAGE_BYTES, codecs=envd_codecs()
+        )
+        filesystem = FilesystemASGIApplication(
+            FilesystemService(self._toolbox),
+            read_max_bytes=MAX_MESSAGE_BYTES,
+            codecs=envd_codecs(),
+        )
+        self.connect_apps: Mapping[str, ConnectASGIApplication[Any]] = MappingProxyType(
+            {process.path: process, filesystem.path: filesystem}
+        )
+
+    def _services(self) -> Services:
+        found: Services = self.state.services
+        return found
+
+    def _toolbox(self) -> Toolbox:
+        return self._services().toolbox
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        response = await self._front(request, scope, receive, send)
+        if response is not None:
+            await response(scope, receive, send)
+
+    async def _front(
+        self, request: Request, scope: Scope, receive: Receive, send: Send
+    ) -> Response | None:
+        sandbox = request.headers.get("e2b-sandbox-id", "")
+        port = request.headers.get("e2b-sandbox-port", str(ENVD_PORT))
+        if port != str(ENVD_PORT):
+            return refuse(
+                502,
+                f"port {port} of sandbox {sandbox} is not served: sandgate serves envd "
+                f"({ENVD_PORT}) only so far",
+            )
+        svc = self._services()
+        path = request.url.path
+        problem = self._credential(request, svc, sandbox, path)
+        if problem is not None:
+            return problem
+        try:
+            check_user(_basic_user(request.headers.get("authorization")))
+            user = request.query_params.get("username")
+            if path == "/files":
+                check_user(user)
+            record = await svc.store.get_sandbox(SandboxName(sandbox))
+        except SandgateError as exc:
+            return self._error(exc, sandbox)
+        if record is None or record.state != "running":
+            return refuse(502, not_found_message(sandbox))
+        who = EnvdCaller(record.tenant_id, record.name)
+        token = CALLER.set(who)
+        try:
+            if path == "/health":
+                return Response(status_code=204)
+            if path == "/files":
+                return await self._files(request, svc, who, sandbox)
+            service = "/" + path.lstrip("/").split("/", 1)[0]
+            app = self.connect_apps.get(service)
+            if app is None:
+                return refuse(404, f"envd has no {request.method} {path}")
+            await app(scope, receive, send)
+            return None
+        finally:
+            CALLER.reset(token)
+
+    def _credential(
+        self, request: Request, svc: Services, sandbox: str, path: str
+    ) -> Response | None:
+        presented = request.headers.get("x-access-token")
+        if presented is not None:
+            if e2b_auth.token_matches(svc.settings.secret, sandbox, presented):
+                return None
+            return refuse(502, not_found_message(sandbox))
+        signature = request.query_params.get("signature")
+        if path == "/files" and signature is not None:
+            try:
+                e2b_auth.check_file_signature(
+                    token=e2b_auth.envd_token(svc.settings.secret, sandbox),
+                    path=request.query_params.get("path", ""),
+                    operation="read" if request.method == "GET" else "write",
+                    username=request.query_params.get("username"),
+                    signature=signature,
+                    expiration=request.query_params.get("signature_expiration"),
+                    now=time.time(),
+                )
+            except e2b_auth.SignatureRefused as exc:
+                return refuse(401, str(exc))
+            return None
+        return refuse(
+            401,
+            "missing X-Access-Token: send the envdAccessToken that creating (or connecting "
+            "to) the sandbox answered",
+        )
+
+    async def _files(
+        self, request: Request, svc: Services, who: EnvdCaller, sandbox: str
+    ) -> Response:
+        try:
+            if request.method == "GET":
+                return await files.download(request, svc, who)
+            if request.method == "POST":
+                return await files.upload(request, svc, who)
+        except SandgateError as exc:
+            return self._error(exc, sandbox)
+        return refuse(405, "use GET /files to download or POST /files to upload")
+
+    def _error(self, exc: SandgateError, sandbox: str) -> Response:
+        if isinstance(exc, ConflictError) and exc.code == "not_running":
+            return refuse(502, not_found_message(sandbox))
+        status = api_errors.status_of(exc)
+        if status >= 500:
+            log.warning("e2b.envd_failed", extra={"code": exc.code, "error": exc.message})
+        return refuse(status, exc.message)
+
+
+def _basic_user(header: str | None) -> str | None:
+    """The user of `Authorization: Basic base64("<user>:")`, as E2B's SDK sends it."""
+    if not header:
+        return None
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        return base64.b64decode(value.strip(), validate=True).decode().partition(":")[0]
+    except (binascii.Error, UnicodeDecodeError):
+        return "\x00malformed"  # refused by check_user, like any unknown user

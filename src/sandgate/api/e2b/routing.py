@@ -1,0 +1,67 @@
+"""Which front-end a request is for: a pure function of its path and headers.
+
+* `E2b-Sandbox-Id` set (E2B's SDKs send it on every envd request), or a `Host` of
+  `{port}-{sandboxID}.<domain>` when the deployment has an E2B domain: envd;
+* a path of E2B's REST API (`/v2/sandboxes`, `/sandboxes/...`...): E2B's REST API;
+* anything else: the native API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from sandgate.core.names import is_valid_name
+
+REST_PREFIXES = (
+    "/v2/sandboxes",
+    "/sandboxes",
+    "/snapshots",
+    "/templates",
+    "/v2/templates",
+    "/v3/templates",
+    "/volumes",
+)
+
+
+@dataclass(frozen=True)
+class Route:
+    to: Literal["envd", "e2b_rest", "native"]
+    sandbox: str = ""
+    port: str = ""
+
+
+def route(path: str, headers: Iterable[tuple[bytes, bytes]], domain: str | None) -> Route:
+    host = b""
+    sandbox = port = None
+    for name, value in headers:
+        if name == b"e2b-sandbox-id":
+            sandbox = value.decode("latin-1")
+        elif name == b"e2b-sandbox-port":
+            port = value.decode("latin-1")
+        elif name == b"host":
+            host = value
+    if sandbox is not None:
+        return Route("envd", sandbox, port or "")
+    if domain:
+        by_host = sandbox_of_host(host.decode("latin-1"), domain)
+        if by_host is not None:
+            return Route("envd", by_host[1], by_host[0])
+    if any(path == prefix or path.startswith(prefix + "/") for prefix in REST_PREFIXES):
+        return Route("e2b_rest")
+    return Route("native")
+
+
+def sandbox_of_host(host: str, domain: str) -> tuple[str, str] | None:
+    """(port, sandbox) of `{port}-{sandbox}.{domain}[:listen port]`, or None."""
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    name = name.lower().rstrip(".")
+    suffix = "." + domain.lower().strip(".")
+    if not name.endswith(suffix):
+        return None
+    label = name[: -len(suffix)]
+    port, dash, sandbox = label.partition("-")
+    if not dash or not port.isdigit() or len(port) > 5 or not is_valid_name(sandbox):
+        return None
+    return port, sandbox
