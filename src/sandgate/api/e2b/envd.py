@@ -172,6 +172,8 @@ class EnvdFront:
         if isinstance(exc, ConflictError) and exc.code == "not_running":
             return refuse(502, not_found_message(sandbox))
         status = api_errors.status_of(exc)
+        if exc.code == "disk_quota_exceeded":  # refused by its declared size too (natively 413)
+            status = 507  # the SDK's NotEnoughSpaceException
         if status >= 500:
             log.warning("e2b.envd_failed", extra={"code": exc.code, "error": exc.message})
         return refuse(status, exc.message)
