@@ -291,6 +291,10 @@ api GET "$A/api/v1/sandboxes/$S1/toolbox/files?path=mic.txt"
 [ "$BODY" = "$CONTENT" ] || fail "file read through A differs from the one written through B"
 ok "a file written through B is read back through A"
 
+# E2B's SDK through B, which does not hold the worker's tunnel: every envd call is forwarded
+scripts/e2b-check "$B" "$KEY" >>"$STATE/logs/e2b-check.log" 2>&1 || { tail -n 40 "$STATE/logs/e2b-check.log" >&2; fail "E2B's SDK through B (see e2b-check.log)"; }
+ok "E2B's Python SDK (sync and async) runs its scenario through B (forwarded to A)"
+
 # -- 4. a create accepted by B, delivered through A ----------------------------------------
 create "$B" '{"metadata": {"mic": "s2"}}'
 [ "$STATUS" = 201 ] || fail "create on B answered $STATUS"

@@ -277,6 +277,9 @@ Try it:
   curl -s -X POST {url}/api/v1/sandboxes/<name>/execute {auth} {json} \\
        -d '{{"language": "bash", "code": "echo ok"}}'
 
+E2B's SDKs work unmodified (docs/e2b.md):
+  export E2B_API_KEY=$(cat {data_dir / "api-key"}) E2B_API_URL={url} E2B_SANDBOX_URL={url}
+
 Ctrl-C stops the worker and every sandbox it started.
 """
     )

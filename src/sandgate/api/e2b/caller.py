@@ -7,6 +7,8 @@ toolbox's domain errors become the Connect codes E2B's SDK maps to its exception
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -14,6 +16,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
 from sandgate import errors as e
+from sandgate.control.toolbox import Toolbox
 from sandgate.store.base import TenantId
 
 HOME = "/home/user"  # E2B's home directory: its paths are /workspace's here
@@ -35,6 +38,27 @@ def caller() -> EnvdCaller:
         return CALLER.get()
     except LookupError:  # only envd.EnvdFront routes to the handlers, and it sets it
         raise ConnectError(Code.INTERNAL, "request reached envd without a sandbox") from None
+
+
+class OnToolbox:
+    """A Connect service over the instance's toolbox (made by its lifespan, after the
+    service: so it is looked up when a request comes)."""
+
+    def __init__(self, toolbox: Callable[[], Toolbox]) -> None:
+        self._toolbox = toolbox
+
+    @property
+    def toolbox(self) -> Toolbox:
+        return self._toolbox()
+
+
+@contextlib.contextmanager
+def as_connect(sandbox: str) -> Iterator[None]:
+    """The toolbox's domain errors, raised as the Connect errors E2B's SDK maps."""
+    try:
+        yield
+    except e.SandgateError as exc:
+        raise connect_error(exc, sandbox) from None
 
 
 def sandbox_path(path: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import stat
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from types import MappingProxyType
 from typing import Literal
 
@@ -22,11 +22,17 @@ from connectrpc.request import RequestContext
 from protobuf import Oneof
 from protobuf.wkt import Timestamp
 
-from sandgate.api.e2b.caller import EnvdCaller, caller, connect_error, sandbox_path
+from sandgate.api.e2b.caller import (
+    EnvdCaller,
+    OnToolbox,
+    as_connect,
+    caller,
+    sandbox_path,
+)
 from sandgate.api.e2b.envd_pb.filesystem import filesystem_connect
 from sandgate.api.e2b.envd_pb.filesystem import filesystem_pb as pb
 from sandgate.control.replies import Entry
-from sandgate.control.toolbox import Toolbox, WatchEvent
+from sandgate.control.toolbox import WatchEvent
 from sandgate.errors import SandgateError
 
 MAX_DEPTH = 16  # ListDir: deeper asks are cut here
@@ -48,14 +54,6 @@ EVENTS = MappingProxyType(
         "chmod": pb.EventType.CHMOD,
     }
 )
-
-
-@contextlib.contextmanager
-def _as_connect(sandbox: str) -> Iterator[None]:
-    try:
-        yield
-    except SandgateError as exc:
-        raise connect_error(exc, sandbox) from None
 
 
 def entry_info(entry: Entry) -> pb.EntryInfo:
@@ -81,21 +79,14 @@ def _path(raw: str) -> str:
     return sandbox_path(raw)
 
 
-class FilesystemService(filesystem_connect.Filesystem):
+class FilesystemService(OnToolbox, filesystem_connect.Filesystem):
     """The `filesystem.Filesystem` service (its protocol: `filesystem_connect.Filesystem`)."""
-
-    def __init__(self, toolbox: Callable[[], Toolbox]) -> None:
-        self._toolbox = toolbox  # the instance's, once its lifespan has made it
-
-    @property
-    def toolbox(self) -> Toolbox:
-        return self._toolbox()
 
     async def stat(
         self, request: pb.StatRequest, ctx: RequestContext[pb.StatRequest, pb.StatResponse]
     ) -> pb.StatResponse:
         who = caller()
-        with _as_connect(who.sandbox):
+        with as_connect(who.sandbox):
             entry = await self.toolbox.stat(who.tenant, who.sandbox, _path(request.path))
         return pb.StatResponse(entry=entry_info(entry))
 
@@ -106,7 +97,7 @@ class FilesystemService(filesystem_connect.Filesystem):
     ) -> pb.MakeDirResponse:
         who = caller()
         path = _path(request.path)
-        with _as_connect(who.sandbox):
+        with as_connect(who.sandbox):
             entry = await self.toolbox.mkdir(
                 who.tenant, who.sandbox, path, parents=True, exist_ok=False
             )
@@ -117,7 +108,7 @@ class FilesystemService(filesystem_connect.Filesystem):
     ) -> pb.MoveResponse:
         who = caller()
         source, destination = _path(request.source), _path(request.destination)
-        with _as_connect(who.sandbox):
+        with as_connect(who.sandbox):
             entry = await self.toolbox.move(
                 who.tenant, who.sandbox, source, destination, overwrite=True
             )
@@ -127,7 +118,7 @@ class FilesystemService(filesystem_connect.Filesystem):
         self, request: pb.RemoveRequest, ctx: RequestContext[pb.RemoveRequest, pb.RemoveResponse]
     ) -> pb.RemoveResponse:
         who = caller()
-        with _as_connect(who.sandbox):
+        with as_connect(who.sandbox):
             await self.toolbox.remove(who.tenant, who.sandbox, _path(request.path), recursive=True)
         return pb.RemoveResponse()
 
@@ -140,7 +131,7 @@ class FilesystemService(filesystem_connect.Filesystem):
         depth = min(max(request.depth, 1), MAX_DEPTH)
         found: list[pb.EntryInfo] = []
         level = [_path(request.path)]
-        with _as_connect(who.sandbox):
+        with as_connect(who.sandbox):
             for _ in range(depth):
                 below: list[str] = []
                 for directory in level:
@@ -166,7 +157,7 @@ class FilesystemService(filesystem_connect.Filesystem):
     ) -> AsyncIterator[pb.WatchDirResponse]:
         who = caller()
         path = _path(request.path)
-        with _as_connect(who.sandbox):
+        with as_connect(who.sandbox):
             watch_id = await self.toolbox.watch_start(
                 who.tenant, who.sandbox, path, recursive=request.recursive
             )
@@ -176,7 +167,7 @@ class FilesystemService(filesystem_connect.Filesystem):
             yield pb.WatchDirResponse(event=started)
             offset = 0
             while True:
-                with _as_connect(who.sandbox):
+                with as_connect(who.sandbox):
                     page = await self.toolbox.watch_read(
                         who.tenant, who.sandbox, watch_id, offset, wait=KEEPALIVE_SECONDS
                     )
@@ -219,7 +210,7 @@ class FilesystemService(filesystem_connect.Filesystem):
         ctx: RequestContext[pb.CreateWatcherRequest, pb.CreateWatcherResponse],
     ) -> pb.CreateWatcherResponse:
         who = caller()
-        with _as_connect(who.sandbox):
+        with as_connect(who.sandbox):
             watch_id = await self.toolbox.watch_start(
                 who.tenant, who.sandbox, _path(request.path), recursive=request.recursive
             )
@@ -231,7 +222,7 @@ class FilesystemService(filesystem_connect.Filesystem):
         ctx: RequestContext[pb.GetWatcherEventsRequest, pb.GetWatcherEventsResponse],
     ) -> pb.GetWatcherEventsResponse:
         who = caller()
-        with _as_connect(who.sandbox):
+        with as_connect(who.sandbox):
             page = await self.toolbox.watch_read(
                 who.tenant, who.sandbox, request.watcher_id, None, wait=0.0
             )
@@ -244,6 +235,6 @@ class FilesystemService(filesystem_connect.Filesystem):
         ctx: RequestContext[pb.RemoveWatcherRequest, pb.RemoveWatcherResponse],
     ) -> pb.RemoveWatcherResponse:
         who = caller()
-        with _as_connect(who.sandbox):
+        with as_connect(who.sandbox):
             await self.toolbox.watch_stop(who.tenant, who.sandbox, request.watcher_id)
         return pb.RemoveWatcherResponse()

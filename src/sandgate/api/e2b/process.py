@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from time import monotonic
 from types import MappingProxyType
 from typing import Any, Literal
@@ -24,24 +24,22 @@ from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 from protobuf import Oneof
 
-from sandgate.api.e2b.caller import EnvdCaller, caller, connect_error, sandbox_path
+from sandgate.api.e2b.caller import (
+    EnvdCaller,
+    OnToolbox,
+    as_connect,
+    caller,
+    sandbox_path,
+)
 from sandgate.api.e2b.envd_pb.process import process_connect
 from sandgate.api.e2b.envd_pb.process import process_pb as pb
-from sandgate.control.toolbox import OutputPage, Toolbox
+from sandgate.control.toolbox import OutputPage
 from sandgate.errors import SandgateError
 from sandgate.store.base import TenantId
 
 KEEPALIVE_SECONDS = 25.0  # longest silence on an output stream (the agent's long-poll < 30)
 KILL = "SIGKILL"
 SIGNALS = MappingProxyType({pb.Signal.SIGKILL: "SIGKILL", pb.Signal.SIGTERM: "SIGTERM"})
-
-
-@contextlib.contextmanager
-def _as_connect(sandbox: str) -> Iterator[None]:
-    try:
-        yield
-    except SandgateError as exc:
-        raise connect_error(exc, sandbox) from None
 
 
 def _pid(selector: pb.ProcessSelector | None) -> int:
@@ -97,15 +95,8 @@ def _data(stream: str, data: bytes) -> pb.ProcessEvent:
     return pb.ProcessEvent(event=event)
 
 
-class ProcessService(process_connect.Process):
+class ProcessService(OnToolbox, process_connect.Process):
     """The `process.Process` service (its generated protocol: `process_connect.Process`)."""
-
-    def __init__(self, toolbox: Callable[[], Toolbox]) -> None:
-        self._toolbox = toolbox  # the instance's, once its lifespan has made it
-
-    @property
-    def toolbox(self) -> Toolbox:
-        return self._toolbox()
 
     # -- streams ----------------------------------------------------------------------------
     async def start(
@@ -119,7 +110,7 @@ class ProcessService(process_connect.Process):
         cwd = sandbox_path(config.cwd) if config.has_field("cwd") and config.cwd else None
         env = dict(config.envs)
         deadline = _deadline(ctx)
-        with _as_connect(who.sandbox):
+        with as_connect(who.sandbox):
             if request.pty is not None:
                 size = request.pty.size
                 pid = await self.toolbox.open_terminal(
@@ -152,7 +143,7 @@ class ProcessService(process_connect.Process):
     ) -> AsyncIterator[pb.ConnectResponse]:
         who = caller()
         pid = _pid(request.process)
-        with _as_connect(who.sandbox):
+        with as_connect(who.sandbox):
             process = await self.toolbox.process(who.tenant, who.sandbox, pid)
             if process.state != "running":
                 raise ConnectError(Code.NOT_FOUND, f"process {pid} is not running")
@@ -187,7 +178,7 @@ class ProcessService(process_connect.Process):
                     await self._kill_quietly(who.tenant, who.sandbox, pid)
                     raise ConnectError(Code.DEADLINE_EXCEEDED, "the command's timeout passed")
                 wait = min(wait, left)
-            with _as_connect(who.sandbox):
+            with as_connect(who.sandbox):
                 page = await self._read(who, pid, terminal, offset, wait)
             for chunk in page.chunks:
                 if chunk.data:
@@ -208,7 +199,7 @@ class ProcessService(process_connect.Process):
         self, request: pb.ListRequest, ctx: RequestContext[pb.ListRequest, pb.ListResponse]
     ) -> pb.ListResponse:
         who = caller()
-        with _as_connect(who.sandbox):
+        with as_connect(who.sandbox):
             processes = await self.toolbox.processes(who.tenant, who.sandbox)
         infos = []
         for process in processes:
@@ -231,7 +222,7 @@ class ProcessService(process_connect.Process):
         return pb.SendInputResponse()
 
     async def _input(self, who: EnvdCaller, pid: int, given: pb.ProcessInput | None) -> None:
-        with _as_connect(who.sandbox):
+        with as_connect(who.sandbox):
             match given.input if given is not None else None:
                 case Oneof(field="stdin", value=data):
                     await self.toolbox.write_stdin(who.tenant, who.sandbox, pid, data, close=False)
@@ -265,7 +256,7 @@ class ProcessService(process_connect.Process):
         ctx: RequestContext[pb.CloseStdinRequest, pb.CloseStdinResponse],
     ) -> pb.CloseStdinResponse:
         who = caller()
-        with _as_connect(who.sandbox):
+        with as_connect(who.sandbox):
             await self.toolbox.write_stdin(
                 who.tenant, who.sandbox, _pid(request.process), b"", close=True
             )
@@ -281,7 +272,7 @@ class ProcessService(process_connect.Process):
         if name is None:
             raise ConnectError(Code.INVALID_ARGUMENT, "signal must be SIGNAL_SIGKILL or SIGTERM")
         pid = _pid(request.process)
-        with _as_connect(who.sandbox):
+        with as_connect(who.sandbox):
             process = await self.toolbox.process(who.tenant, who.sandbox, pid)
             if process.state != "running":
                 raise ConnectError(Code.NOT_FOUND, f"process {pid} is not running")
@@ -296,7 +287,7 @@ class ProcessService(process_connect.Process):
         if request.pty is None or request.pty.size is None:
             raise ConnectError(Code.INVALID_ARGUMENT, "pty.size is required")
         size = request.pty.size
-        with _as_connect(who.sandbox):
+        with as_connect(who.sandbox):
             await self.toolbox.resize_terminal(
                 who.tenant, who.sandbox, pid, cols=size.cols, rows=size.rows
             )

@@ -23,9 +23,9 @@ from starlette.datastructures import State
 
 from sandgate.api import errors
 from sandgate.api.deps import Services, services, tenant
+from sandgate.api.routes.sandboxes import create_request
 from sandgate.api.schemas import CreateSandbox
-from sandgate.control.create import CreateRequest
-from sandgate.core import caps, e2b_auth
+from sandgate.core import e2b_auth
 from sandgate.core.clock import utcnow
 from sandgate.errors import ConflictError, InvalidRequestError, NotFoundError, NotSupportedError
 from sandgate.store.base import Sandbox, SandboxFilter, SandboxName, SandboxState, TenantId
@@ -107,13 +107,10 @@ async def create(
     if template not in svc.settings.templates:
         known = ", ".join(["base", *svc.settings.templates])
         raise NotFoundError(f"template {body.templateID!r} not found; this server has: {known}")
-    timeout = float(body.timeout) if body.timeout else svc.settings.default_timeout
-    if timeout > svc.settings.max_timeout:
-        raise InvalidRequestError(f"timeout is at most {svc.settings.max_timeout:g} seconds")
     try:  # the native create's checks: reserved metadata keys, env names, sizes
         native = CreateSandbox(
             template=template,
-            timeout=timeout,
+            timeout=float(body.timeout) if body.timeout else None,
             metadata=body.metadata or {},
             env=body.envVars or {},
             network=bool(body.allow_internet_access),
@@ -122,16 +119,7 @@ async def create(
         problem = exc.errors()[0]
         where = ".".join(str(x) for x in problem.get("loc", ())) or "body"
         raise InvalidRequestError(f"{where}: {problem.get('msg', 'invalid')}") from None
-    resources = caps.resolve(native.resources.model_dump(), svc.settings.caps)
-    request = CreateRequest(
-        template=native.template,
-        timeout=timeout,
-        metadata=native.metadata,
-        env=native.env,
-        network=native.network,
-        resources=resources,
-        body=native.model_dump(mode="json") | {"timeout": timeout, "resources": resources},
-    )
+    request = create_request(native, svc.settings)
     result = await svc.creates.create(who, request, idempotency_key, http.is_disconnected)
     headers = {"Idempotent-Replayed": "true"} if result.replayed else None
     # E2B answers 201 to a retry too (its SDK reads any other status as no sandbox)

@@ -17,6 +17,7 @@ from sandgate.api.schemas import (
     SandboxList,
     SandboxOut,
 )
+from sandgate.config import ServerSettings
 from sandgate.control.create import CreateRequest
 from sandgate.core import caps
 from sandgate.errors import InvalidRequestError
@@ -55,6 +56,25 @@ def sandbox_out(sandbox: Sandbox) -> dict[str, Any]:
     ).model_dump(mode="json")
 
 
+def create_request(body: CreateSandbox, settings: ServerSettings) -> CreateRequest:
+    """What the create pipeline is asked for: the deployment's defaults filled in, its caps
+    checked (the native API and E2B's both create through this)."""
+    timeout = body.timeout if body.timeout is not None else settings.default_timeout
+    if timeout > settings.max_timeout:
+        raise InvalidRequestError(f"timeout is at most {settings.max_timeout:g} seconds")
+    resources = caps.resolve(body.resources.model_dump(), settings.caps)
+    return CreateRequest(
+        template=body.template,
+        timeout=timeout,
+        metadata=body.metadata,
+        env=body.env,
+        network=body.network,
+        resources=resources,
+        # fingerprinted with what it gets: a retry naming the defaults is the same request
+        body=body.model_dump(mode="json") | {"timeout": timeout, "resources": resources},
+    )
+
+
 @router.post("/sandboxes", status_code=201, response_model=SandboxOut, responses=error_docs())
 async def create_sandbox(
     body: CreateSandbox,
@@ -66,20 +86,7 @@ async def create_sandbox(
     if body.template not in svc.settings.templates:
         known = ", ".join(svc.settings.templates)
         raise InvalidRequestError(f"unknown template {body.template!r}; this server has: {known}")
-    timeout = body.timeout if body.timeout is not None else svc.settings.default_timeout
-    if timeout > svc.settings.max_timeout:
-        raise InvalidRequestError(f"timeout is at most {svc.settings.max_timeout:g} seconds")
-    resources = caps.resolve(body.resources.model_dump(), svc.settings.caps)
-    request = CreateRequest(
-        template=body.template,
-        timeout=timeout,
-        metadata=body.metadata,
-        env=body.env,
-        network=body.network,
-        resources=resources,
-        # fingerprinted with what it gets: a retry naming the defaults is the same request
-        body=body.model_dump(mode="json") | {"timeout": timeout, "resources": resources},
-    )
+    request = create_request(body, svc.settings)
     result = await svc.creates.create(who, request, idempotency_key, http.is_disconnected)
     if result.replayed:
         return JSONResponse(
