@@ -1,6 +1,6 @@
 """sandgate benchmark: API latencies against baselines measured in the same run.
 
-    .venv/bin/python bench/bench.py [--runtime bwrap] [--n 300] [--creates 40]
+    .venv/bin/python bench/bench.py [--runtime bwrap] [--n 300] [--creates 40] [--no-e2b]
 
 Starts a real `sandgate server` (SQLite) and `sandgate worker`, then measures:
 - create-to-running latency (POST /api/v1/sandboxes until the 201), p50/p99;
@@ -8,7 +8,11 @@ Starts a real `sandgate server` (SQLite) and `sandgate worker`, then measures:
 - baselines: `subprocess.run(["bash", "-c", "echo ok"])` on the host, and the same command
   sent straight to an in-sandbox agent over its pipes (no HTTP, no tunnel);
 - memory (PSS) per idle sandbox;
-and prints the ratios API/baseline. Numbers are medians of one run on a shared machine.
+- with E2B's official Python SDK (sync, pointed at sandgate, on by default): `commands.run`
+  of `echo ok` on one sandbox, p50/p99 over the same n as `execute`, and create-to-first-command
+  (`Sandbox.create` until its first `commands.run` returns), p50/p99;
+and prints the ratios API/baseline and the E2B overhead over the native `execute`. Numbers are
+medians of one run on a shared machine.
 """
 
 from __future__ import annotations
@@ -126,13 +130,64 @@ def pss_of_sandboxes(state_dir: Path, worker: str) -> tuple[float, int] | None:
     return (statistics.mean(totals), len(totals)) if totals else None
 
 
+def e2b_run(url: str, key: str, n: int) -> list[float]:
+    """`commands.run("echo ok")` through E2B's sync SDK on one sandbox, after 20 warm-up calls."""
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(api_key=key, api_url=url, sandbox_url=url)
+    try:
+        times = []
+        for i in range(n + 20):
+            start = time.perf_counter()
+            ran = sbx.commands.run("echo ok")
+            elapsed = (time.perf_counter() - start) * 1000
+            assert (ran.stdout, ran.exit_code) == ("ok\n", 0), ran
+            if i >= 20:
+                times.append(elapsed)
+        return times
+    finally:
+        sbx.kill()
+
+
+def e2b_create_to_first_command(url: str, key: str, m: int) -> list[float]:
+    """From the `Sandbox.create` call to the end of its first `commands.run`, one sandbox at
+    a time, each killed after (outside the timing); the first 2 are warm-ups."""
+    from e2b import Sandbox
+
+    times = []
+    for i in range(m + 2):
+        start = time.perf_counter()
+        sbx = Sandbox.create(api_key=key, api_url=url, sandbox_url=url)
+        try:
+            ran = sbx.commands.run("echo ok")
+            elapsed = (time.perf_counter() - start) * 1000
+            assert (ran.stdout, ran.exit_code) == ("ok\n", 0), ran
+        finally:
+            sbx.kill()
+        if i >= 2:
+            times.append(elapsed)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runtime", default="bwrap", choices=["bwrap", "process"])
     parser.add_argument("--n", type=int, default=300, help="sequential execute samples")
     parser.add_argument("--creates", type=int, default=40, help="create samples")
     parser.add_argument("--seconds", type=float, default=5.0, help="throughput window")
+    parser.add_argument(
+        "--e2b",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure through E2B's Python SDK (commands.run, create-to-first-command)",
+    )
+    parser.add_argument(
+        "--e2b-creates", type=int, default=20, help="E2B create-to-first-command samples"
+    )
     args = parser.parse_args()
+    # sandboxes alive at once: the native creates, then (E2B) one more at a time, each killed
+    # before the next is made
+    held = args.creates + 3 + (1 if args.e2b else 0)
 
     work = Path(tempfile.mkdtemp(prefix="sandgate-bench-"))
     state_dir = Path("/var/lib/sandgate-bench") / uuid.uuid4().hex[:8]
@@ -150,10 +205,11 @@ def main() -> None:
             url,
             "bench",
             runtime=args.runtime,
-            capacity=64,
+            capacity=max(64, held),
             state_dir=state_dir,
-            # it holds 43 idle sandboxes of the default 512 MiB / 1 GiB at once: more than a
-            # small host's budget at overcommit 1, and what is measured is latency, not that
+            # it holds 44 idle sandboxes (default --creates) of the default 512 MiB / 1 GiB at
+            # once: more than a small host's budget at overcommit 1, and what is measured is
+            # latency, not that
             extra=("--log-level", "WARNING", "--memory-overcommit", "4", "--disk-overcommit", "4"),
         ),
         log=log,
@@ -196,6 +252,10 @@ def main() -> None:
                 assert response.json()["stdout"] == "ok\n", response.text
                 if i >= 20:
                     execs.append(elapsed)
+
+            # E2B's SDK right after, in the same conditions (the native sandboxes still idle)
+            e2b_runs = e2b_run(url, key, args.n) if args.e2b else []
+            e2b_firsts = e2b_create_to_first_command(url, key, args.e2b_creates) if args.e2b else []
 
             # live output: lines a background process prints, as a follower receives them
             command = (
@@ -251,6 +311,9 @@ def main() -> None:
         print(f"API       create-to-running                 {summary(creates)}")
         print(f"API       execute throughput, 8 clients     {throughput:7.1f} req/s")
         print(f"API       process line to SSE follower      {summary(lags[10:])}")
+        if e2b_runs:
+            print(f"E2B SDK   commands.run echo ok (sync)       {summary(e2b_runs)}")
+            print(f"E2B SDK   create-to-first-command           {summary(e2b_firsts)}")
         if memory:
             print(
                 f"memory    PSS per idle sandbox              {memory[0]:7.2f} MiB (mean of {memory[1]})"
@@ -268,6 +331,18 @@ def main() -> None:
         print(
             f"target    live output p50 < 50 ms            {'met' if statistics.median(lags[10:]) < 50 else 'MISSED'}"
         )
+        if e2b_runs:
+            e2b_p50, exec_p50 = statistics.median(e2b_runs), statistics.median(execs)
+            print(
+                f"target    e2b commands.run p50 {e2b_p50:.2f} ms vs native execute p50 {exec_p50:.2f} ms:"
+                f" {e2b_p50 - exec_p50:+.2f} ms (target <= 1.5 ms: "
+                f"{'met' if e2b_p50 - exec_p50 <= 1.5 else 'MISSED'})"
+            )
+            native_first = statistics.median(creates) + exec_p50
+            print(
+                f"delta     e2b create-to-first-command p50 vs native create p50 + execute p50"
+                f" {native_first:.2f} ms: {statistics.median(e2b_firsts) - native_first:+.2f} ms"
+            )
     finally:
         for proc in (worker, server):
             proc.send_signal(signal.SIGTERM)

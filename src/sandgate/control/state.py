@@ -122,6 +122,17 @@ class ServerLocalState:
     # request. Only the configuration is cached; what the limits count is in the store.
     limits_cache: dict[str, tuple[TenantLimits | None, float]] = field(default_factory=dict)
 
+    # sandbox name -> its tenant, for E2B's envd requests (which name a sandbox and carry no
+    # API key). Never stale: a name is its tenant's for good (names are random and unique).
+    sandbox_tenants: dict[str, tuple[str, float]] = field(default_factory=dict)
+
+    def tenant_of_sandbox(self, name: str) -> str | None:
+        hit = self.sandbox_tenants.get(name)
+        return None if hit is None else hit[0]
+
+    def remember_tenant_of_sandbox(self, name: str, tenant: str, limit: int = 10_000) -> None:
+        _remember(self.sandbox_tenants, name, tenant, limit)
+
     def cached_limits(self, tenant: str, ttl: float) -> tuple[bool, TenantLimits | None]:
         """(found, limits): None is a valid cached answer (the tenant has no limits)."""
         hit = _fresh(self.limits_cache, tenant, ttl)
@@ -220,6 +231,12 @@ SERVER_STATE: Mapping[str, StateRow] = MappingProxyType(
             "exact via store: only the configuration is cached (a change applies on every instance "
             "within 5 s); tokens, live sandboxes, running exec jobs, the create queue and the "
             "breaker are counted in the store on every use",
+        ),
+        "ServerLocalState.sandbox_tenants": StateRow(
+            "the tenant of each sandbox E2B's envd requests named (they carry no API key)",
+            "10,000 entries (the map starts over when full)",
+            "exact: a sandbox name belongs to one tenant for good; whether it still runs is "
+            "read through running_sandboxes (1 s) and its worker",
         ),
         "PeerClient._links": StateRow(
             "serve loops of this instance's open peer links",

@@ -42,8 +42,8 @@ from sandgate.api.e2b.filesystem import FilesystemService
 from sandgate.api.e2b.process import ProcessService
 from sandgate.control.toolbox import Toolbox
 from sandgate.core import e2b_auth
-from sandgate.errors import ConflictError, SandgateError
-from sandgate.store.base import SandboxName
+from sandgate.errors import ConflictError, NotFoundError, SandgateError
+from sandgate.store.base import SandboxName, TenantId
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +106,11 @@ class EnvdFront:
             user = request.query_params.get("username")
             if path == "/files":
                 check_user(user)
-            record = await svc.store.get_sandbox(SandboxName(sandbox))
+            who = await self._resolve(svc, sandbox)
+        except (NotFoundError, ConflictError):
+            return refuse(502, not_found_message(sandbox))
         except SandgateError as exc:
             return self._error(exc, sandbox)
-        if record is None or record.state != "running":
-            return refuse(502, not_found_message(sandbox))
-        who = EnvdCaller(record.tenant_id, record.name)
         token = CALLER.set(who)
         try:
             if path == "/health":
@@ -126,6 +125,19 @@ class EnvdFront:
             return None
         finally:
             CALLER.reset(token)
+
+    async def _resolve(self, svc: Services, sandbox: str) -> EnvdCaller:
+        """The running sandbox's tenant: remembered per name (it never changes), and its
+        running record through the same 1-s cache as every toolbox call."""
+        tenant = svc.state.tenant_of_sandbox(sandbox)
+        if tenant is None:
+            record = await svc.store.get_sandbox(SandboxName(sandbox))
+            if record is None:
+                raise NotFoundError(not_found_message(sandbox))
+            tenant = record.tenant_id
+            svc.state.remember_tenant_of_sandbox(sandbox, tenant)
+        running = await svc.sandboxes.running(TenantId(tenant), sandbox)
+        return EnvdCaller(running.tenant_id, running.name)
 
     def _credential(
         self, request: Request, svc: Services, sandbox: str, path: str
