@@ -70,10 +70,15 @@ class Output:
             self.done = True
             self.cond.notify_all()
 
-    def read(self, offset: int, wait: float) -> tuple[list[list[Any]], bytes, int, int, bool]:
+    def read(
+        self, offset: int, wait: float, linger: float = 0.0
+    ) -> tuple[list[list[Any]], bytes, int, int, bool]:
         """(chunks, payload, next_offset, first_offset, everything read) from ``offset``.
 
         Blocks up to ``wait`` seconds for output past ``offset`` or the end of the process.
+        With output there and the process still running, it then waits up to ``linger``
+        seconds more for the process to end, so a short command's output and its exit come
+        in one answer (each answer is a round trip through the worker).
         """
         deadline = time.monotonic() + wait
         with self.cond:
@@ -81,6 +86,12 @@ class Output:
                 first = self.end - self.size
                 start = max(offset, first)
                 if start < self.end:
+                    if linger > 0 and not self.done:
+                        lingered = time.monotonic() + linger
+                        while not self.done and (left := lingered - time.monotonic()) > 0:
+                            self.cond.wait(left)
+                        first = self.end - self.size
+                        start = max(offset, first)
                     chunks, payload, end = self._collect(start)
                     return chunks, payload, end, first, self.done and end == self.end
                 if self.done:

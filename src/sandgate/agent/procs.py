@@ -73,6 +73,7 @@ else:
 
 MAX_PROCESSES = 256  # processes and terminals remembered per agent
 MAX_WAIT = 30.0  # seconds a read may wait for output
+MAX_LINGER = 1.0  # seconds a read with output may wait more for the process to end
 PTY_KILL_DELAY = 1.0  # pty_close: seconds between SIGHUP and SIGKILL
 WRITE_STALL_SECONDS = 30.0
 BROKEN_PIPE_REAP_WAIT = 0.2  # seconds an EPIPE waits to learn whether the reader exited
@@ -154,12 +155,12 @@ class Registry:
             raise self._invalid("'timeout' must be a positive number of seconds or null")
         return float(value)
 
-    def _wait(self, req: Header) -> float:
-        value = req.get("wait")
+    def _wait(self, req: Header, name: str = "wait", most: float = MAX_WAIT) -> float:
+        value = req.get(name)
         if value is None:
             return 0.0
-        if not _is_number(value) or not 0 <= value <= MAX_WAIT:
-            raise self._invalid(f"'wait' must be a number of seconds from 0 to {MAX_WAIT:g}")
+        if not _is_number(value) or not 0 <= value <= most:
+            raise self._invalid(f"{name!r} must be a number of seconds from 0 to {most:g}")
         return float(value)
 
     def _command(self, req: Header, *, required: bool) -> str | None:
@@ -286,6 +287,7 @@ class Registry:
         if not isinstance(stdin, bool):
             raise self._invalid("'stdin' must be a boolean")
         timeout = self._timeout(req)
+        wait, linger = self._wait(req), self._wait(req, "linger", MAX_LINGER)
         env = self._environment(req, {"PYTHONUNBUFFERED": "1"})
         cwd = self._cwd(req)
         with self._lock:
@@ -320,7 +322,12 @@ class Registry:
                 close_write_fd(entry)
                 entry.stdin_closed = True
             self._launch(entry, {out_r: "stdout", err_r: "stderr"})
-        return {"pid": entry.pid, "started_at": entry.started_at}, b""
+        answer: Header = {"pid": entry.pid, "started_at": entry.started_at}
+        if not wait:
+            return answer, b""
+        # the first output (and, for a short command, its exit) in the same answer
+        header, output = self._page(entry, 0, wait, linger)
+        return {**answer, "output": header}, output
 
     def _proc_list(self, req: Header, payload: bytes) -> tuple[Header, bytes]:
         with self._lock:
@@ -333,7 +340,10 @@ class Registry:
         wait = self._wait(req)
         if offset > entry.output.end:  # end only grows: a later look cannot make it valid
             raise self._invalid(f"'offset' {offset} is past the end of the output")
-        chunks, payload, next_offset, first_offset, exited = entry.output.read(offset, wait)
+        return self._page(entry, offset, wait, self._wait(req, "linger", MAX_LINGER))
+
+    def _page(self, entry: Entry, offset: int, wait: float, linger: float) -> tuple[Header, bytes]:
+        chunks, payload, next_offset, first_offset, exited = entry.output.read(offset, wait, linger)
         header = {
             "chunks": chunks,
             "next_offset": next_offset,

@@ -84,6 +84,13 @@ class OutputReply(_Reply):
     exit_code: int | None = None
 
 
+class StartedReply(_Reply):
+    """proc_start with a `wait`: the pid and the first read of its output."""
+
+    pid: int = Field(ge=1)
+    output: OutputReply
+
+
 class WrittenReply(_Reply):
     written: int = Field(default=0, ge=0)
 

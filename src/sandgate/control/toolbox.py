@@ -36,6 +36,7 @@ from sandgate.control.replies import (
     PidReply,
     Process,
     ProcessesReply,
+    StartedReply,
     WatchReadReply,
     WatchStartReply,
     WrittenReply,
@@ -278,6 +279,33 @@ class Toolbox:
         raw, _ = await self._call(tenant, name, "proc_start", fields)
         return parse(PidReply, raw).pid
 
+    async def start_process_reading(
+        self,
+        tenant: TenantId,
+        name: str,
+        argv: Sequence[str],
+        *,
+        cwd: str | None,
+        env: Mapping[str, str],
+        time_limit: float | None,
+        stdin: bool,
+        wait: float,
+        linger: float,
+    ) -> tuple[int, OutputPage]:
+        """Start a program and read its first output in the same call: what it printed
+        within `wait` seconds, and if it printed, its exit within `linger` more. A short
+        command is then one round trip to its sandbox; follow a longer one with
+        `process_output` from the page's `next_offset`."""
+        fields: dict[str, Any] = {"cwd": cwd, "env": dict(env), "timeout": time_limit}
+        fields |= {"argv": list(argv), "wait": wait, "linger": linger}
+        if not stdin:
+            fields["stdin"] = False
+        raw, payload = await self._call(
+            tenant, name, "proc_start", fields, seconds=wait + linger + RELAY_GRACE
+        )
+        reply = parse(StartedReply, raw)
+        return reply.pid, _page(reply.output, payload)
+
     async def processes(self, tenant: TenantId, name: str) -> list[Process]:
         raw, _ = await self._call(tenant, name, "proc_list")
         return parse(ProcessesReply, raw).processes
@@ -289,10 +317,11 @@ class Toolbox:
         raise NotFoundError(f"no process {pid} in sandbox {name}")
 
     async def process_output(
-        self, tenant: TenantId, name: str, pid: int, offset: int, *, wait: float
+        self, tenant: TenantId, name: str, pid: int, offset: int, *, wait: float, linger: float = 0
     ) -> OutputPage:
-        """Output from `offset` on; waits up to `wait` seconds for some if there is none."""
-        return await self._output(tenant, name, "proc_read", pid, offset, wait)
+        """Output from `offset` on; waits up to `wait` seconds for some if there is none, and
+        with some, up to `linger` more for the process to end (its exit in the same page)."""
+        return await self._output(tenant, name, "proc_read", pid, offset, wait, linger)
 
     async def write_stdin(
         self, tenant: TenantId, name: str, pid: int, data: bytes, *, close: bool
@@ -347,20 +376,21 @@ class Toolbox:
         await self._call(tenant, name, "pty_close", {"pid": pid})
 
     async def _output(
-        self, tenant: TenantId, name: str, op: str, pid: int, offset: int, wait: float
+        self,
+        tenant: TenantId,
+        name: str,
+        op: str,
+        pid: int,
+        offset: int,
+        wait: float,
+        linger: float = 0,
     ) -> OutputPage:
-        fields = {"pid": pid, "offset": offset, "wait": wait}
-        raw, payload = await self._call(tenant, name, op, fields, seconds=wait + RELAY_GRACE)
-        reply = parse(OutputReply, raw)
-        chunks, cursor = [], 0
-        for stream, length in reply.chunks:
-            chunks.append(OutputChunk(stream, payload[cursor : cursor + length]))
-            cursor += length
-        if cursor > len(payload):
-            raise WorkerError("the sandbox sent a malformed output answer")
-        return OutputPage(
-            chunks, reply.first_offset, reply.next_offset, reply.exited, reply.exit_code
-        )
+        fields: dict[str, Any] = {"pid": pid, "offset": offset, "wait": wait}
+        if linger:
+            fields["linger"] = linger
+        seconds = wait + linger + RELAY_GRACE
+        raw, payload = await self._call(tenant, name, op, fields, seconds=seconds)
+        return _page(parse(OutputReply, raw), payload)
 
     # -- watches ---------------------------------------------------------------------------
     async def watch_start(self, tenant: TenantId, name: str, path: str, *, recursive: bool) -> str:
@@ -417,6 +447,16 @@ class Toolbox:
             disk_used=reply.disk_used,
             disk_total=reply.disk_total,
         )
+
+
+def _page(reply: OutputReply, payload: bytes) -> OutputPage:
+    chunks, cursor = [], 0
+    for stream, length in reply.chunks:
+        chunks.append(OutputChunk(stream, payload[cursor : cursor + length]))
+        cursor += length
+    if cursor > len(payload):
+        raise WorkerError("the sandbox sent a malformed output answer")
+    return OutputPage(chunks, reply.first_offset, reply.next_offset, reply.exited, reply.exit_code)
 
 
 def _refuse_past_the_quota(sandbox: Sandbox, declared: int | None) -> None:

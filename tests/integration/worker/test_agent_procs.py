@@ -164,6 +164,41 @@ def test_cwd_and_env(agent: Client) -> None:
     assert agent.follow(pid)[0] == b"\n"
 
 
+def test_argv_stdin_and_a_start_that_reads(agent: Client) -> None:
+    """What E2B's process service asks for: a program run as given, end-of-file on stdin,
+    and the first output (with the exit of a short command) in the start's own answer."""
+    header, body = agent.call(
+        "proc_start",
+        argv=["/bin/bash", "-c", "cat; echo out-$X"],
+        env={"X": "1"},
+        stdin=False,
+        wait=10,
+        linger=1,
+    )
+    assert header["ok"], header
+    output = header["output"]
+    assert body == b"out-1\n" and output["chunks"] == [["stdout", 6]]
+    assert (output["exited"], output["exit_code"], output["next_offset"]) == (True, 0, 6)
+    entry = _entry(agent, header["pid"])
+    assert entry["argv"] == ["/bin/bash", "-c", "cat; echo out-$X"] and entry["env"] == {"X": "1"}
+    # a silent command: the start answers after its wait, not at the command's end
+    started = time.monotonic()
+    header, body = agent.call("proc_start", command="sleep 30", wait=0.2, linger=0.1)
+    assert header["ok"] and body == b"" and not header["output"]["exited"]
+    assert time.monotonic() - started < 5
+    agent.ok("proc_signal", pid=header["pid"], signal="KILL")
+    # a read lingers for the exit of a process that has printed
+    pid = agent.start("echo a; sleep 0.2; echo b")
+    first, body = agent.call("proc_read", pid=pid, offset=0, wait=5, linger=0.01)
+    assert body == b"a\n" and not first["exited"]  # still running after the linger
+    last, body = agent.call("proc_read", pid=pid, offset=2, wait=5, linger=1)
+    assert body == b"b\n" and last["exited"], "the exit came with the last output"
+    assert agent.error("proc_start", command="true", linger=2) == "invalid_request"
+    assert agent.error("proc_start", argv=[]) == "invalid_request"
+    assert agent.error("proc_start", argv=["a\x00"]) == "invalid_request"
+    assert agent.error("proc_start", command="true", stdin="no") == "invalid_request"
+
+
 def test_invalid_requests(agent: Client) -> None:
     assert agent.error("proc_start") == "invalid_request"
     assert agent.error("proc_start", command="") == "invalid_request"

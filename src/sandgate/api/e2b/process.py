@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from time import monotonic
 from types import MappingProxyType
 from typing import Any, Literal
@@ -37,6 +37,11 @@ from sandgate.control.toolbox import OutputPage
 from sandgate.errors import SandgateError
 from sandgate.store.base import TenantId
 
+# a start answers with what the command printed within START_READ_WAIT s and, if it printed,
+# its exit within EXIT_LINGER s more: `echo ok` is one round trip to the sandbox, and a silent
+# command's start event waits START_READ_WAIT at most. Reads linger for the exit the same way.
+START_READ_WAIT = 0.02
+EXIT_LINGER = 0.005
 KEEPALIVE_SECONDS = 25.0  # longest silence on an output stream (the agent's long-poll < 30)
 KILL = "SIGKILL"
 SIGNALS = MappingProxyType({pb.Signal.SIGKILL: "SIGKILL", pb.Signal.SIGTERM: "SIGTERM"})
@@ -95,6 +100,15 @@ def _data(stream: str, data: bytes) -> pb.ProcessEvent:
     return pb.ProcessEvent(event=event)
 
 
+def _events(page: OutputPage) -> Iterator[pb.ProcessEvent]:
+    """One read of a process's output as stream events: its data, then its end if it ended."""
+    for chunk in page.chunks:
+        if chunk.data:
+            yield _data(chunk.stream, chunk.data)
+    if page.exited:
+        yield _end(page.exit_code)
+
+
 class ProcessService(OnToolbox, process_connect.Process):
     """The `process.Process` service (its generated protocol: `process_connect.Process`)."""
 
@@ -122,9 +136,10 @@ class ProcessService(OnToolbox, process_connect.Process):
                     cwd=cwd,
                     env=env,
                 )
+                first = None
             else:
                 stdin = request.stdin if request.has_field("stdin") else True
-                pid = await self.toolbox.start_process(
+                pid, first = await self.toolbox.start_process_reading(
                     who.tenant,
                     who.sandbox,
                     argv,
@@ -132,9 +147,18 @@ class ProcessService(OnToolbox, process_connect.Process):
                     env=env,
                     time_limit=None if deadline is None else deadline - monotonic(),
                     stdin=bool(stdin),
+                    wait=START_READ_WAIT,
+                    linger=EXIT_LINGER,
                 )
         yield pb.StartResponse(event=_started(pid))
-        follow = self._follow(who, pid, request.pty is not None, 0, deadline, ctx)
+        offset = 0
+        if first is not None:  # a short command has printed and exited already
+            for event in _events(first):
+                yield pb.StartResponse(event=event)
+            if first.exited:
+                return
+            offset = first.next_offset
+        follow = self._follow(who, pid, request.pty is not None, offset, deadline, ctx)
         async for event in follow:
             yield pb.StartResponse(event=event)
 
@@ -157,8 +181,13 @@ class ProcessService(OnToolbox, process_connect.Process):
     async def _read(
         self, who: EnvdCaller, pid: int, terminal: bool, offset: int, wait: float
     ) -> OutputPage:
-        read = self.toolbox.terminal_output if terminal else self.toolbox.process_output
-        return await read(who.tenant, who.sandbox, pid, offset, wait=wait)
+        if terminal:  # interactive: its output goes out as it comes
+            return await self.toolbox.terminal_output(
+                who.tenant, who.sandbox, pid, offset, wait=wait
+            )
+        return await self.toolbox.process_output(
+            who.tenant, who.sandbox, pid, offset, wait=wait, linger=EXIT_LINGER
+        )
 
     async def _follow(
         self,
@@ -180,12 +209,10 @@ class ProcessService(OnToolbox, process_connect.Process):
                 wait = min(wait, left)
             with as_connect(who.sandbox):
                 page = await self._read(who, pid, terminal, offset, wait)
-            for chunk in page.chunks:
-                if chunk.data:
-                    yield _data(chunk.stream, chunk.data)
+            for event in _events(page):
+                yield event
             offset = page.next_offset
             if page.exited:
-                yield _end(page.exit_code)
                 return
             if not page.chunks:
                 yield _keepalive()
