@@ -7,6 +7,8 @@ tests/integration/api/test_e2b_sdk.py.
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import struct
 from collections.abc import AsyncIterator
@@ -183,7 +185,7 @@ async def test_start_stream_on_the_wire(fast: Fast) -> None:
     ends = [m["event"]["end"] for _, m in got[:-1] if "end" in m["event"]]
     assert ends == [{"exitCode": 4, "exited": True, "status": "exit status 4"}]
     out = b"".join(
-        __import__("base64").b64decode(m["event"]["data"].get("stdout", ""))
+        base64.b64decode(m["event"]["data"].get("stdout", ""))
         for _, m in got[:-1]
         if "data" in m["event"]
     )
@@ -260,3 +262,80 @@ async def test_multipart_uploads_with_directories(fast: Fast) -> None:
     assert (
         await fast.api.get("/files", params={"path": "x"}, headers=envd(sandbox))
     ).status_code == 404, "a torn upload leaves no file"
+
+
+async def test_a_user_other_than_the_sandboxes_is_a_connect_error(fast: Fast) -> None:
+    sandbox = await create(fast.api)
+    root = {**envd(sandbox), "Authorization": "Basic cm9vdDo="}  # "root:"
+    unary = {**root, "Content-Type": "application/json", "Connect-Protocol-Version": "1"}
+    listed = await fast.api.post("/process.Process/List", content=b"{}", headers=unary)
+    assert listed.status_code == 400, listed.text
+    assert listed.json()["code"] == "invalid_argument"
+    assert "unprivileged" in listed.json()["message"]
+    streamed = await start(fast, root, "echo never")
+    assert streamed.status_code == 200
+    assert frames(streamed.content)[-1][1]["error"]["code"] == "invalid_argument"
+    user = {**envd(sandbox), "Authorization": "Basic dXNlcjo="}  # "user:": the sandbox's
+    assert (await start(fast, user, "echo fine")).status_code == 200
+    upload = await fast.api.post(
+        "/files", params={"path": "x", "username": "root"}, content=b"x", headers=envd(sandbox)
+    )
+    assert upload.status_code == 400 and upload.json()["code"] == 400
+
+
+async def test_stream_input_feeds_a_process(fast: Fast) -> None:
+    sandbox = await create(fast.api)
+    headers = {
+        **envd(sandbox),
+        "Content-Type": "application/connect+json",
+        "Connect-Protocol-Version": "1",
+    }
+    body = envelope({"process": {"cmd": "/bin/bash", "args": ["-c", "cat"]}, "stdin": True})
+    events: list[dict[str, Any]] = []
+
+    async def follow() -> None:
+        async with fast.api.stream(
+            "POST", "/process.Process/Start", content=body, headers=headers
+        ) as answer:
+            events.extend(m for _, m in frames(await answer.aread()))
+
+    task = asyncio.create_task(follow())
+    pid = None
+    for _ in range(500):
+        processes = await fast.api.post(
+            "/process.Process/List",
+            content=b"{}",
+            headers={**envd(sandbox), "Content-Type": "application/json"},
+        )
+        running = processes.json().get("processes", [])
+        if running:
+            pid = running[0]["pid"]
+            break
+        await asyncio.sleep(0.01)
+    assert pid is not None
+    chunk = base64.b64encode(b"streamed in\n").decode()
+    stream = b"".join(
+        [
+            envelope({"start": {"process": {"pid": pid}}}),
+            envelope({"data": {"input": {"stdin": chunk}}}),
+            envelope({"keepalive": {}}),
+        ]
+    )
+    fed = await fast.api.post("/process.Process/StreamInput", content=stream, headers=headers)
+    assert fed.status_code == 200, fed.text
+    assert frames(fed.content)[-1] == (2, {})
+    closed = await fast.api.post(
+        "/process.Process/CloseStdin",
+        content=json.dumps({"process": {"pid": pid}}).encode(),
+        headers={**envd(sandbox), "Content-Type": "application/json"},
+    )
+    assert closed.status_code == 200, closed.text
+    await asyncio.wait_for(task, 10)
+    out = b"".join(
+        base64.b64decode(m["event"]["data"]["stdout"])
+        for m in events
+        if "event" in m and "data" in m["event"]
+    )
+    assert out == b"streamed in\n"
+    ends = [m["event"]["end"] for m in events if "event" in m and "end" in m["event"]]
+    assert ends and ends[0].get("exitCode", 0) == 0

@@ -7,7 +7,8 @@ In this order, so nothing about a sandbox is revealed before its credential is c
 2. the credential: `X-Access-Token` (the `envdAccessToken` create answered), or for
    `/files` a signed URL. Missing: 401. Present but not this sandbox's: the sandbox "was not
    found" (502), exactly as for an unknown id, so another tenant's sandbox looks like none;
-3. `Authorization: Basic` naming a user other than the sandbox's one: 400;
+3. `Authorization: Basic` naming a user other than the sandbox's one: `invalid_argument`
+   (a Connect error from `UserCheck` on the Connect services, 400 on `/files` and `/health`);
 4. the sandbox must be running (502 "The sandbox … was not found" otherwise: E2B's SDK
    raises SandboxNotRunningException on that message).
 
@@ -25,6 +26,9 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
 from connectrpc.server import ConnectASGIApplication
 from starlette.datastructures import State
 from starlette.requests import Request
@@ -61,12 +65,16 @@ class EnvdFront:
     def __init__(self, state: State) -> None:
         self.state = state  # the native app's: its lifespan puts the services there
         process = ProcessASGIApplication(
-            ProcessService(self._toolbox), read_max_bytes=MAX_MESSAGE_BYTES, codecs=envd_codecs()
+            ProcessService(self._toolbox),
+            read_max_bytes=MAX_MESSAGE_BYTES,
+            codecs=envd_codecs(),
+            interceptors=(UserCheck(),),
         )
         filesystem = FilesystemASGIApplication(
             FilesystemService(self._toolbox),
             read_max_bytes=MAX_MESSAGE_BYTES,
             codecs=envd_codecs(),
+            interceptors=(UserCheck(),),
         )
         self.connect_apps: Mapping[str, ConnectASGIApplication[Any]] = MappingProxyType(
             {process.path: process, filesystem.path: filesystem}
@@ -102,10 +110,10 @@ class EnvdFront:
         if problem is not None:
             return problem
         try:
-            check_user(_basic_user(request.headers.get("authorization")))
-            user = request.query_params.get("username")
+            if not path.startswith(tuple(self.connect_apps)):  # there: UserCheck
+                check_user(_basic_user(request.headers.get("authorization")))
             if path == "/files":
-                check_user(user)
+                check_user(request.query_params.get("username"))
             who = await self._resolve(svc, sandbox)
         except (NotFoundError, ConflictError):
             return refuse(502, not_found_message(sandbox))
@@ -189,6 +197,22 @@ class EnvdFront:
         if status >= 500:
             log.warning("e2b.envd_failed", extra={"code": exc.code, "error": exc.message})
         return refuse(status, exc.message)
+
+
+class UserCheck:
+    """A Connect interceptor: a call naming a user other than the sandbox's is refused as the
+    Connect error E2B's SDK maps (InvalidArgumentException), stream or not."""
+
+    async def on_start(self, ctx: RequestContext[Any, Any]) -> None:
+        try:
+            check_user(_basic_user(ctx.request_headers.get("authorization")))
+        except SandgateError as exc:
+            raise ConnectError(Code.INVALID_ARGUMENT, exc.message) from None
+
+    async def on_end(
+        self, token: None, ctx: RequestContext[Any, Any], error: Exception | None
+    ) -> None:
+        return None
 
 
 def _basic_user(header: str | None) -> str | None:
