@@ -7,6 +7,7 @@ signature the SDK makes is one sandgate accepts.
 from __future__ import annotations
 
 import urllib.parse
+from typing import Literal
 
 import httpx
 import pytest
@@ -73,49 +74,33 @@ def test_tokens_are_per_sandbox_and_per_secret() -> None:
 @pytest.mark.parametrize("expires_in", [None, 60])
 def test_signatures_the_sdk_makes_are_accepted(user: str | None, expires_in: int | None) -> None:
     token = e2b_auth.envd_token("secret", "sbx-a")
-    made = get_signature("/home/user/a b.txt", "read", user, token, expires_in)
+    path = "/home/user/a b.txt"
+    made = get_signature(path, "read", user, token, expires_in)
     expiration = made["expiration"]
-    e2b_auth.check_file_signature(
-        token=token,
-        path="/home/user/a b.txt",
-        operation="read",
-        username=user,
-        signature=made["signature"],
-        expiration=None if expiration is None else str(expiration),
-        now=0 if expiration is None else expiration - 1,
-    )
-    with pytest.raises(e2b_auth.SignatureRefused):
+
+    def check(
+        *, operation: Literal["read", "write"] = "read", expires: str | None, now: float
+    ) -> None:
         e2b_auth.check_file_signature(
             token=token,
-            path="/home/user/a b.txt",
-            operation="write",
+            path=path,
+            operation=operation,
             username=user,
             signature=made["signature"],
-            expiration=None if expiration is None else str(expiration),
-            now=0,
+            expiration=expires,
+            now=now,
         )
+
+    given = None if expiration is None else str(expiration)
+    check(expires=given, now=0 if expiration is None else expiration - 1)
+    with pytest.raises(e2b_auth.SignatureRefused):
+        check(operation="write", expires=given, now=0)
     if expiration is not None:
         with pytest.raises(e2b_auth.SignatureRefused, match="expired"):
-            e2b_auth.check_file_signature(
-                token=token,
-                path="/home/user/a b.txt",
-                operation="read",
-                username=user,
-                signature=made["signature"],
-                expiration=str(expiration),
-                now=expiration + 1,
-            )
+            check(expires=given, now=expiration + 1)
         for bad in ("1e9", "-5", "nan", "１２３"):
             with pytest.raises(e2b_auth.SignatureRefused):
-                e2b_auth.check_file_signature(
-                    token=token,
-                    path="/home/user/a b.txt",
-                    operation="read",
-                    username=user,
-                    signature=made["signature"],
-                    expiration=bad,
-                    now=0,
-                )
+                check(expires=bad, now=0)
 
 
 def test_the_metadata_filter_decodes_what_the_sdk_encodes() -> None:
