@@ -91,6 +91,14 @@ AGENT_GROWTH: tuple[tuple[str, str, str], ...] = (
         "256 still running is refused",
     ),
     (
+        "agent code contexts (kernel_bridge.py processes tagged ctx:<id>, each with its "
+        "IPython kernel)",
+        "the variables and imports of each code context",
+        "processes of `Registry._entries` (256 at most), within the sandbox's memory and pids "
+        "limits; nothing of them is kept in the control plane (the tag finds one from any "
+        "instance); they die with their sandbox",
+    ),
+    (
         "agent output ring (`Output.chunks`)",
         "the recent output of one process or terminal",
         "1 MiB (`PROCESS_BUFFER_BYTES`) and 4,096 chunks (`MAX_CHUNKS`) per process: the "

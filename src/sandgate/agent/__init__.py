@@ -25,6 +25,12 @@ MODULES = (
     "watch",  # directory watches (inotify): the requests, the watchers, their event buffers
 )
 
+# Programs deployed beside the agent but never imported by it: the control plane starts them
+# as background processes, run by the sandbox's Python with the packages it has.
+PROGRAMS = (
+    "kernel_bridge",  # one code context: an IPython kernel over jupyter_client (IPC)
+)
+
 
 def deployed_name(module: str) -> str:
     """The file name a module has in the deployed agent directory."""

@@ -76,6 +76,7 @@ class Entry:
         "pid",
         "started_at",
         "stdin_closed",
+        "tag",
         "terminal",
         "timed_out",
         "wlock",
@@ -93,8 +94,10 @@ class Entry:
         argv: list[str] | None = None,
         cwd: str | None = None,
         env: dict[str, str] | None = None,
+        tag: str | None = None,
     ) -> None:
         self.child = child
+        self.tag = tag  # unique among running processes: a second start with it is refused
         self.pid = child.pid
         self.command = command
         self.argv = argv or []  # what was run, as the request gave it
@@ -169,6 +172,8 @@ class Entry:
             "argv": self.argv,
             "cwd": self.cwd,
             "env": self.env,
+            "tag": self.tag,
+            "output_end": self.output.end,  # where output written from now on will start
             "state": "running" if self.exit_code is None else "exited",
             "exit_code": self.exit_code,
             "started_at": self.started_at,

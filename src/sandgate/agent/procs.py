@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from functools import partial
@@ -74,6 +75,9 @@ else:
 MAX_PROCESSES = 256  # processes and terminals remembered per agent
 MAX_WAIT = 30.0  # seconds a read may wait for output
 MAX_LINGER = 1.0  # seconds a read with output may wait more for the process to end
+# programs deployed beside the agent (sandgate.agent.PROGRAMS) that proc_start may run by name,
+# with the agent's own Python (without -S: the program may use the sandbox's packages)
+PROGRAMS = ("kernel_bridge",)
 PTY_KILL_DELAY = 1.0  # pty_close: seconds between SIGHUP and SIGKILL
 WRITE_STALL_SECONDS = 30.0
 BROKEN_PIPE_REAP_WAIT = 0.2  # seconds an EPIPE waits to learn whether the reader exited
@@ -196,6 +200,22 @@ class Registry:
             raise self._invalid("'argv' must be a non-empty list of strings without NUL bytes")
         return value
 
+    def _tag(self, req: Header) -> str | None:
+        value = req.get("tag")
+        if value is None:
+            return None
+        if not isinstance(value, str) or not 0 < len(value) <= 128 or "\x00" in value:
+            raise self._invalid("'tag' must be a string of 1 to 128 characters")
+        return value
+
+    def _refuse_tag_in_use(self, tag: str | None) -> None:
+        """At most one running process has a tag (lock held): what names it is unique."""
+        if tag is None:
+            return
+        for entry in self._entries.values():
+            if entry.tag == tag and entry.exit_code is None and not entry.reap():
+                raise AgentError("exists", f"process {entry.pid} is running with tag {tag!r}")
+
     def _program(self, name: str) -> str:
         """A program named by path is run as it is; a bare name is looked up on PATH."""
         return name if "/" in name else self._which(name)
@@ -276,6 +296,12 @@ class Registry:
         import subprocess
 
         given = self._argv(req)
+        program = req.get("program")
+        if program is not None:
+            if program not in PROGRAMS:
+                raise self._invalid(f"'program' must be one of {', '.join(PROGRAMS)}")
+            here = os.path.dirname(os.path.abspath(__file__))
+            given = [sys.executable, "-I", os.path.join(here, f"{program}.py"), *(given or [])]
         if given is None:
             command = self._command(req, required=True)
             assert command is not None
@@ -288,10 +314,12 @@ class Registry:
             raise self._invalid("'stdin' must be a boolean")
         timeout = self._timeout(req)
         wait, linger = self._wait(req), self._wait(req, "linger", MAX_LINGER)
+        tag = self._tag(req)
         env = self._environment(req, {"PYTHONUNBUFFERED": "1"})
         cwd = self._cwd(req)
         with self._lock:
             self._admit()
+            self._refuse_tag_in_use(tag)
             pipes: list[int] = []
             try:
                 for _ in range(3):
@@ -316,7 +344,13 @@ class Registry:
             os.set_blocking(in_w, False)
             deadline = None if timeout is None else started + timeout
             entry = Entry(
-                child, command, in_w, terminal=False, deadline=deadline, **self._asked(req, given)
+                child,
+                command,
+                in_w,
+                terminal=False,
+                deadline=deadline,
+                tag=tag,
+                **self._asked(req, given),
             )
             if not stdin:  # the command reads end-of-file at once
                 close_write_fd(entry)

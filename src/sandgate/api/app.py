@@ -16,6 +16,7 @@ from sandgate.api.internal_auth import InternalAuth
 from sandgate.api.limits import BodyLimit
 from sandgate.api.routes import (
     admission,
+    contexts,
     exec_jobs,
     files,
     internal,
@@ -26,6 +27,7 @@ from sandgate.api.routes import (
 )
 from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission
+from sandgate.control.contexts import ContextService
 from sandgate.control.create import CreatePipeline
 from sandgate.control.exec_jobs import ExecJobService
 from sandgate.control.peers import PeerClient
@@ -68,7 +70,16 @@ def create_app(settings: ServerSettings) -> FastAPI:
         toolbox = Toolbox(service, workers)
         jobs = ExecJobService(store, state, service, toolbox, settings, gate, node_url=node_url)
         app.state.services = Services(
-            settings, store, state, workers, service, creates, toolbox, jobs, gate
+            settings,
+            store,
+            state,
+            workers,
+            service,
+            creates,
+            toolbox,
+            jobs,
+            gate,
+            ContextService(toolbox),
         )
         try:
             # this instance holds no tunnel yet: records naming it are from before a crash or
@@ -129,6 +140,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(files.router)
     app.include_router(processes.router)
     app.include_router(pty.router)
+    app.include_router(contexts.router)
     app.include_router(system.router)
     app.include_router(internal.router)
     app.add_middleware(

@@ -15,6 +15,7 @@ from fastapi import Request
 
 from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission
+from sandgate.control.contexts import ContextService
 from sandgate.control.create import CreatePipeline
 from sandgate.control.exec_jobs import ExecJobService
 from sandgate.control.sandboxes import SandboxService
@@ -37,6 +38,7 @@ class Services:
     toolbox: Toolbox  # every call into a running sandbox
     exec_jobs: ExecJobService
     admission: Admission
+    contexts: ContextService  # code contexts (kernels) inside sandboxes
 
 
 def services(request: Request) -> Services:

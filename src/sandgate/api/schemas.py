@@ -123,6 +123,28 @@ class ExecuteOut(BaseModel):
     stderr_truncated: bool = False
 
 
+class CreateCodeContext(_In):
+    language: Literal["python"] = "python"
+    cwd: str | None = Field(default=None, min_length=1, max_length=4096)
+
+
+class CodeContextOut(BaseModel):
+    id: str
+    language: str
+    cwd: str
+
+
+class RunCode(_In):
+    code: str
+    timeout: float | None = Field(default=None, gt=0, description="seconds; then interrupted")
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        return _check_env(value)
+
+
 class CreateExecJob(_RunOptions):
     command: str = Field(min_length=1)
 

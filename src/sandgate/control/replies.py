@@ -70,6 +70,8 @@ class Process(_Reply):
     argv: list[str] = Field(default_factory=list, exclude=True)
     cwd: str | None = Field(default=None, exclude=True)
     env: dict[str, str] = Field(default_factory=dict, exclude=True)
+    tag: str | None = Field(default=None, exclude=True)  # unique among running processes
+    output_end: int = Field(default=0, ge=0, exclude=True)  # where new output will start
 
 
 class ProcessesReply(_Reply):

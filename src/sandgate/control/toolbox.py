@@ -269,13 +269,33 @@ class Toolbox:
         env: Mapping[str, str],
         time_limit: float | None,
         stdin: bool = True,
+        tag: str | None = None,
     ) -> int:
         """`command`: a shell command line, or a program and its arguments (run as given).
-        `stdin=False`: the process reads end-of-file at once."""
+        `stdin=False`: the process reads end-of-file at once. `tag`: unique among the
+        sandbox's running processes (a second start with it is `409 exists`)."""
         fields: dict[str, Any] = {"cwd": cwd, "env": dict(env), "timeout": time_limit}
         fields |= {"command": command} if isinstance(command, str) else {"argv": list(command)}
         if not stdin:
             fields["stdin"] = False
+        if tag is not None:
+            fields["tag"] = tag
+        raw, _ = await self._call(tenant, name, "proc_start", fields)
+        return parse(PidReply, raw).pid
+
+    async def start_program(
+        self,
+        tenant: TenantId,
+        name: str,
+        program: str,
+        args: Sequence[str],
+        *,
+        cwd: str | None,
+        tag: str,
+    ) -> int:
+        """Start one of the programs deployed with the agent (`sandgate.agent.PROGRAMS`) with
+        the sandbox's Python, tagged (at most one running process has a tag)."""
+        fields: dict[str, Any] = {"program": program, "argv": list(args), "cwd": cwd, "tag": tag}
         raw, _ = await self._call(tenant, name, "proc_start", fields)
         return parse(PidReply, raw).pid
 

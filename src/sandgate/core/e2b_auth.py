@@ -21,6 +21,7 @@ import hmac
 from typing import Literal
 
 TOKEN_CONTEXT = b"sandgate e2b envd access token v1\n"
+TRAFFIC_CONTEXT = b"sandgate e2b traffic access token v1\n"  # the code interpreter's
 SIGNATURE_PREFIX = "v1_"
 
 FileOperation = Literal["read", "write"]
@@ -32,10 +33,23 @@ def envd_token(secret: str, sandbox: str) -> str:
     return "sgt_" + base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
 
 
+def traffic_token(secret: str, sandbox: str) -> str:
+    """The token of a sandbox's other ports (E2B's `trafficAccessToken`): the code
+    interpreter sends it on every request, where it sends the access token on some only."""
+    mac = hmac.new(secret.encode(), TRAFFIC_CONTEXT + sandbox.encode(), hashlib.sha256).digest()
+    return "sgp_" + base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
+
+
 def token_matches(secret: str, sandbox: str, presented: str | None) -> bool:
     if not presented or not secret:
         return False
     return hmac.compare_digest(envd_token(secret, sandbox).encode(), presented.encode())
+
+
+def traffic_token_matches(secret: str, sandbox: str, presented: str | None) -> bool:
+    if not presented or not secret:
+        return False
+    return hmac.compare_digest(traffic_token(secret, sandbox).encode(), presented.encode())
 
 
 def file_signature(

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sandgate.agent import MODULES as AGENT_MODULES
+from sandgate.agent import PROGRAMS as AGENT_PROGRAMS
 from sandgate.agent import deployed_name
 from sandgate.agent.frames import Header
 from sandgate.config import WorkerSettings
@@ -55,6 +56,9 @@ def install_agent(agent_dir: Path) -> None:
         target = agent_dir / deployed_name(module)
         shutil.copyfile(AGENT_SOURCE / f"{module}.py", target)
         os.chmod(target, 0o644)
+    for program in AGENT_PROGRAMS:  # run by the control plane as processes (kernel_bridge)
+        shutil.copyfile(AGENT_SOURCE / f"{program}.py", agent_dir / f"{program}.py")
+        os.chmod(agent_dir / f"{program}.py", 0o644)
     (agent_dir / "agent.py").write_text(_LAUNCHER)
     os.chmod(agent_dir / "agent.py", 0o644)
     if SANDBOX_PYTHON.exists():

@@ -199,6 +199,20 @@ def test_argv_stdin_and_a_start_that_reads(agent: Client) -> None:
     assert agent.error("proc_start", command="true", stdin="no") == "invalid_request"
 
 
+def test_a_tag_names_one_running_process(agent: Client) -> None:
+    pid = agent.start("echo hi; sleep 30", tag="ctx:one")
+    assert agent.error("proc_start", command="true", tag="ctx:one") == "exists"
+    agent.read_until(pid, b"hi", 0, op="proc_read")
+    entry = _entry(agent, pid)
+    assert entry["tag"] == "ctx:one" and entry["output_end"] == 3
+    agent.ok("proc_signal", pid=pid, signal="KILL")
+    agent.follow(pid)
+    again = agent.start("true", tag="ctx:one")  # its process ended: the tag is free again
+    assert _entry(agent, again)["tag"] == "ctx:one"
+    assert agent.error("proc_start", command="true", tag="") == "invalid_request"
+    assert agent.error("proc_start", program="nope", argv=["x"]) == "invalid_request"
+
+
 def test_invalid_requests(agent: Client) -> None:
     assert agent.error("proc_start") == "invalid_request"
     assert agent.error("proc_start", command="") == "invalid_request"

@@ -3,10 +3,13 @@ then handed to the Connect services (`process`, `filesystem`) or to `/files` and
 
 In this order, so nothing about a sandbox is revealed before its credential is checked:
 
-1. the sandbox's envd port (49983) is the only one served here (others: 502, saying so);
+1. the sandbox's envd port (49983) and its code interpreter's (49999, api.e2b.interpreter)
+   are served here (others: 502, saying so);
 2. the credential: `X-Access-Token` (the `envdAccessToken` create answered), or for
-   `/files` a signed URL. Missing: 401. Present but not this sandbox's: the sandbox "was not
-   found" (502), exactly as for an unknown id, so another tenant's sandbox looks like none;
+   `/files` a signed URL, or on the interpreter's port `E2B-Traffic-Access-Token` (the
+   `trafficAccessToken`: that SDK sends the access token on `/execute` only). Missing:
+   401. Present but not this sandbox's: the sandbox "was not found" (502), exactly as for an
+   unknown id, so another tenant's sandbox looks like none;
 3. `Authorization: Basic` naming a user other than the sandbox's one: `invalid_argument`
    (a Connect error from `UserCheck` on the Connect services, 400 on `/files` and `/health`);
 4. the sandbox must be running (502 "The sandbox … was not found" otherwise: E2B's SDK
@@ -37,7 +40,7 @@ from starlette.types import Receive, Scope, Send
 
 from sandgate.api import errors as api_errors
 from sandgate.api.deps import Services
-from sandgate.api.e2b import files
+from sandgate.api.e2b import files, interpreter
 from sandgate.api.e2b.caller import CALLER, EnvdCaller, check_user, not_found_message
 from sandgate.api.e2b.codecs import envd_codecs
 from sandgate.api.e2b.envd_pb.filesystem.filesystem_connect import FilesystemASGIApplication
@@ -98,15 +101,22 @@ class EnvdFront:
     ) -> Response | None:
         sandbox = request.headers.get("e2b-sandbox-id", "")
         port = request.headers.get("e2b-sandbox-port", str(ENVD_PORT))
-        if port != str(ENVD_PORT):
+        if port not in (str(ENVD_PORT), str(interpreter.INTERPRETER_PORT)):
             return refuse(
                 502,
                 f"port {port} of sandbox {sandbox} is not served: sandgate serves envd "
-                f"({ENVD_PORT}) only so far",
+                f"({ENVD_PORT}) and the code interpreter ({interpreter.INTERPRETER_PORT}) so far",
             )
         svc = self._services()
         path = request.url.path
-        problem = self._credential(request, svc, sandbox, path)
+        if port == str(interpreter.INTERPRETER_PORT):
+            traffic = request.headers.get("e2b-traffic-access-token")
+            if e2b_auth.traffic_token_matches(svc.settings.secret, sandbox, traffic):
+                problem = None
+            else:
+                problem = self._credential(request, svc, sandbox, path="")
+        else:
+            problem = self._credential(request, svc, sandbox, path)
         if problem is not None:
             return problem
         try:
@@ -121,6 +131,8 @@ class EnvdFront:
             return self._error(exc, sandbox)
         token = CALLER.set(who)
         try:
+            if port == str(interpreter.INTERPRETER_PORT):
+                return await interpreter.serve(request, svc, who)
             if path == "/health":
                 return Response(status_code=204)
             if path == "/files":

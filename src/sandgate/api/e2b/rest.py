@@ -32,7 +32,9 @@ from sandgate.store.base import Sandbox, SandboxFilter, SandboxName, SandboxStat
 
 ENVD_VERSION = "0.6.4"  # the envd features the SDK may use (e2b/envd/versions.py) are served
 # E2B's default template is sandgate's default
-TEMPLATE_ALIASES = MappingProxyType({"base": "default"})
+# the code interpreter SDK's default is the default template too: its kernel is the
+# sandbox's own Python (the host root, with Debian's python3-ipykernel: docs/e2b.md)
+TEMPLATE_ALIASES = MappingProxyType({"base": "default", "code-interpreter-v1": "default"})
 LIVE: tuple[SandboxState, ...] = ("pending", "running")
 MAX_PAGE = 1000
 
@@ -143,6 +145,7 @@ def _created(svc: Services, sandbox: Sandbox) -> dict[str, Any]:
         "clientID": "sandgate",
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": e2b_auth.envd_token(svc.settings.secret, sandbox.name),
+        "trafficAccessToken": e2b_auth.traffic_token(svc.settings.secret, sandbox.name),
         "domain": svc.settings.e2b_domain,
         "alias": None,
     }

@@ -48,6 +48,8 @@ HOST_ETC = (
     "alternatives",
     "ssl",
     "localtime",
+    "matplotlibrc",  # Debian's matplotlib reads its defaults here (the code interpreter)
+    "fonts",  # fontconfig's configuration (fonts for plots)
 )
 ROOT_LINKS = ("bin", "sbin", "lib", "lib64", "lib32", "libx32")
 

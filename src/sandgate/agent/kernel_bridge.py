@@ -1,0 +1,303 @@
+"""One code context: a real IPython kernel, driven over jupyter_client's IPC transport.
+
+Deployed next to the agent (`sandgate.agent.EXTRA_FILES`) but not imported by it: the control
+plane starts it as an ordinary background process of the sandbox (`proc_start`, tagged with
+the context's id), with the sandbox's own Python and its packages (Debian's
+python3-ipykernel and python3-jupyter-client on the host-root template):
+
+    /usr/bin/python3 -I /opt/sandgate/kernel_bridge.py --context ID --cwd DIR
+
+Everything is through its stdin and stdout, one JSON object a line, so it lives, is followed
+and dies like any process (and with its sandbox). In:
+
+    {"op": "run", "run": "<id>", "code": "...", "env": {...}, "timeout": seconds | null}
+    {"op": "interrupt"}      the running code gets KeyboardInterrupt
+    {"op": "restart"}        a fresh kernel: every variable is gone
+
+Out, each with the `run` it belongs to: `ready` (once, when the kernel answers),
+`number_of_executions`, `stdout`, `stderr`, `result` (a MIME bundle: text, html, markdown, svg,
+png, jpeg, pdf, latex, json, javascript; `is_main_result` for the value of the last
+expression), `error` (name, value, traceback) and `end_of_execution`; `restarted` after a
+restart. A kernel that dies ends its run with an `error` named `KernelDied`, and the context
+can be restarted. The kernel's sockets are files in /tmp (no network), its state dirs too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import sys
+import tempfile
+import threading
+import time
+from types import MappingProxyType
+from typing import Any
+
+MIME_FIELDS = MappingProxyType(
+    {
+        "text/plain": "text",
+        "text/html": "html",
+        "text/markdown": "markdown",
+        "image/svg+xml": "svg",
+        "image/png": "png",
+        "image/jpeg": "jpeg",
+        "application/pdf": "pdf",
+        "text/latex": "latex",
+        "application/json": "json",
+        "application/javascript": "javascript",
+    }
+)
+READY_TIMEOUT = 60.0
+POLL_SECONDS = 0.5  # how often a run waiting for kernel output checks the kernel is alive
+# events of one burst of kernel messages go out in one write (so the control plane reads them
+# in one request): a line waits at most this long for the next message
+BURST_SECONDS = 0.003
+
+
+class Bridge:
+    def __init__(self, context: str, cwd: str) -> None:
+        from jupyter_client.manager import KernelManager
+
+        self.context = context
+        self.cwd = cwd
+        self.out_lock = threading.Lock()
+        self.pending: list[str] = []  # lines of the current burst, not written yet
+        self.runs: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.state_dir = tempfile.mkdtemp(prefix=f"sandgate-kernel-{context}-", dir="/tmp")
+        self.manager = KernelManager(
+            kernel_name="python3",
+            transport="ipc",
+            ip=os.path.join(self.state_dir, "kernel"),
+            connection_file=os.path.join(self.state_dir, "kernel.json"),
+        )
+        self.client: Any = None
+
+    # -- output -------------------------------------------------------------------------------
+    def emit(self, kind: str, run: str | None = None, **fields: Any) -> None:
+        self.hold(kind, run, **fields)
+        self.flush()
+
+    def hold(self, kind: str, run: str | None = None, **fields: Any) -> None:
+        line = json.dumps({"type": kind, "run": run, **fields}, separators=(",", ":"))
+        with self.out_lock:
+            self.pending.append(line + "\n")
+
+    def flush(self) -> None:
+        with self.out_lock:
+            if self.pending:
+                sys.stdout.write("".join(self.pending))
+                sys.stdout.flush()
+                self.pending.clear()
+
+    # -- the kernel ---------------------------------------------------------------------------
+    def kernel_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "JPY_PARENT_PID"}
+        env.setdefault("IPYTHONDIR", os.path.join(self.state_dir, "ipython"))
+        env.setdefault("MPLCONFIGDIR", os.path.join(self.state_dir, "matplotlib"))
+        env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+        env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # ipykernel's debugger notice
+        return env
+
+    def start(self) -> None:
+        self.manager.start_kernel(cwd=self.cwd, env=self.kernel_env())
+        self.connect()
+
+    def connect(self) -> None:
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=READY_TIMEOUT)
+
+    def restart(self) -> None:
+        if self.client is not None:
+            self.client.stop_channels()
+        self.manager.restart_kernel(now=True, env=self.kernel_env())
+        self.connect()
+
+    # -- runs ---------------------------------------------------------------------------------
+    def run(self, request: dict[str, Any]) -> None:
+        run = str(request.get("run"))
+        env = request.get("env") or {}
+        timeout = request.get("timeout")
+        try:
+            if env:
+                self.silent(f"import os as _sg_os; _sg_os.environ.update({env!r})")
+            self.execute(run, str(request.get("code", "")), timeout)
+        finally:
+            if env:
+                names = sorted(env)
+                self.silent(f"[_sg_os.environ.pop(_sg_k, None) for _sg_k in {names!r}]")
+            self.emit("end_of_execution", run)
+
+    def silent(self, code: str) -> None:
+        if not self.manager.is_alive():
+            return
+        msg_id = self.client.execute(code, silent=True, store_history=False)
+        self.drain(msg_id, None, timeout=30)
+
+    def execute(self, run: str, code: str, timeout: float | None) -> None:
+        if not self.manager.is_alive():
+            self.emit(
+                "error",
+                run,
+                name="KernelDied",
+                value="the kernel is not running: restart the context",
+                traceback="",
+            )
+            return
+        msg_id = self.client.execute(code, store_history=True, allow_stdin=False)
+        self.drain(msg_id, run, timeout)
+
+    def drain(self, msg_id: str, run: str | None, timeout: float | None) -> None:
+        """Relay the kernel's messages for one execution until it is idle again."""
+        deadline = None if not timeout else time.monotonic() + float(timeout)
+        interrupted = False
+        while True:
+            try:
+                wait = BURST_SECONDS if self.pending else POLL_SECONDS
+                message = self.client.get_iopub_msg(timeout=wait)
+            except queue.Empty:
+                if self.pending:
+                    self.flush()
+                    continue
+                if not self.manager.is_alive():
+                    if run is not None:
+                        self.emit(
+                            "error",
+                            run,
+                            name="KernelDied",
+                            value="the kernel died: restart the context",
+                            traceback="",
+                        )
+                    return
+                if deadline is not None and time.monotonic() > deadline and not interrupted:
+                    interrupted = True
+                    self.manager.interrupt_kernel()
+                    if run is not None:
+                        self.emit(
+                            "error",
+                            run,
+                            name="TimeoutError",
+                            value=f"the code ran "
+                            f"longer than its timeout of {timeout} s and was interrupted",
+                            traceback="",
+                        )
+                continue
+            if message.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind = message["msg_type"]
+            content = message["content"]
+            if kind == "status" and content.get("execution_state") == "idle":
+                return
+            if run is None:
+                continue
+            if kind == "execute_input":
+                self.hold("number_of_executions", run, execution_count=content["execution_count"])
+            elif kind == "stream":
+                stream = "stderr" if content.get("name") == "stderr" else "stdout"
+                self.hold(stream, run, text=content.get("text", ""), timestamp=_now())
+            elif kind in ("execute_result", "display_data"):
+                self.hold("result", run, **_bundle(content.get("data", {}), kind))
+            elif kind == "error" and not interrupted:
+                self.hold(
+                    "error",
+                    run,
+                    name=content.get("ename", ""),
+                    value=content.get("evalue", ""),
+                    traceback="\n".join(content.get("traceback", [])),
+                )
+
+    # -- the loops ----------------------------------------------------------------------------
+    def serve(self) -> None:
+        worker = threading.Thread(target=self.work, name="runs", daemon=True)
+        worker.start()
+        for line in sys.stdin:
+            try:
+                request = json.loads(line)
+            except ValueError:
+                self.emit("error", None, name="BadRequest", value="not JSON", traceback="")
+                continue
+            op = request.get("op")
+            if op == "run":
+                self.runs.put(request)
+            elif op == "interrupt":
+                self.manager.interrupt_kernel()
+            elif op == "restart":
+                self.runs.put({"op": "restart"})
+        self.runs.put(None)  # stdin closed: the context is being removed
+        worker.join(timeout=5)
+
+    def work(self) -> None:
+        while (request := self.runs.get()) is not None:
+            try:
+                if request.get("op") == "restart":
+                    self.restart()
+                    self.emit("restarted")
+                else:
+                    self.run(request)
+            except Exception as exc:  # never leave a run without its end
+                self.emit(
+                    "error",
+                    request.get("run"),
+                    name=type(exc).__name__,
+                    value=str(exc),
+                    traceback="",
+                )
+                if request.get("op") == "run":
+                    self.emit("end_of_execution", request.get("run"))
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
+
+
+def _bundle(data: dict[str, Any], kind: str) -> dict[str, Any]:
+    fields: dict[str, Any] = {"is_main_result": kind == "execute_result"}
+    extra: dict[str, Any] = {}
+    for mime, value in data.items():
+        field = MIME_FIELDS.get(mime)
+        if field is None:
+            extra[mime] = value
+        else:
+            fields[field] = value
+    if extra:
+        fields["extra"] = extra
+    return fields
+
+
+def _now() -> str:
+    seconds, nanos = divmod(time.time_ns(), 1_000_000_000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{nanos // 1000:06d}Z"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--context", required=True)
+    # the directory as the sandbox names it (listed back); the kernel starts in this
+    # process's working directory, which the agent made that same directory
+    parser.add_argument("--cwd", default="/workspace")
+    args = parser.parse_args()
+    bridge = Bridge(args.context, os.getcwd())
+    try:
+        bridge.start()
+    except Exception as exc:
+        bridge.emit(
+            "error",
+            None,
+            name=type(exc).__name__,
+            value=f"the kernel did not start: {exc}",
+            traceback="",
+        )
+        return 1
+    bridge.emit("ready", context=args.context)
+    try:
+        bridge.serve()
+    finally:
+        bridge.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Code contexts: stateful interpreters inside a sandbox, over the toolbox's processes.
+
+A context is one `kernel_bridge` process of the sandbox (agent/kernel_bridge.py: a real
+IPython kernel driven over jupyter_client's IPC transport), tagged `ctx:<id>`. The agent keeps
+a tag unique among running processes, so the context's id finds its process on any instance
+and two creates of one id (the per-sandbox `default` context, asked for by two instances at
+once) make one. Nothing is kept in the control plane: a context lives and dies with its
+process, which lives and dies with its sandbox.
+
+A run writes one JSON line to the bridge's stdin and follows its stdout (NDJSON) from where
+the output ended before the write, taking the events of its own run id. A run whose client
+goes away, or whose timeout passes, interrupts the kernel (the bridge enforces the timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from sandgate.control.replies import Process
+from sandgate.control.toolbox import Toolbox
+from sandgate.errors import ConflictError, InvalidRequestError, NotFoundError, SandgateError
+from sandgate.store.base import TenantId
+
+TAG_PREFIX = "ctx:"
+LANGUAGES = ("python",)
+DEFAULT_CONTEXT = "default"
+READY_SECONDS = 60.0  # a kernel that does not answer within this is a failed create
+FOLLOW_WAIT = 25.0
+CONTEXT_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
+
+
+@dataclass(frozen=True)
+class Context:
+    id: str
+    language: str
+    cwd: str
+    pid: int
+    output_end: int = 0  # where its process's output stood when it was listed
+
+
+def _context_of(process: Process) -> Context | None:
+    if process.state != "running" or not (process.tag or "").startswith(TAG_PREFIX):
+        return None
+    args = process.argv
+    cwd = args[args.index("--cwd") + 1] if "--cwd" in args[:-1] else "/workspace"
+    context_id = str(process.tag)[len(TAG_PREFIX) :]
+    return Context(context_id, "python", cwd, process.pid, process.output_end)
+
+
+def check_context_id(context_id: str) -> None:
+    if not 0 < len(context_id) <= 64 or not set(context_id) <= CONTEXT_ID_CHARS:
+        raise InvalidRequestError("a context id is 1-64 characters of a-z, 0-9 and '-'")
+
+
+class ContextService:
+    def __init__(self, toolbox: Toolbox) -> None:
+        self.toolbox = toolbox
+
+    async def list(self, tenant: TenantId, name: str) -> list[Context]:
+        found = [_context_of(p) for p in await self.toolbox.processes(tenant, name)]
+        return [context for context in found if context is not None]
+
+    async def get(self, tenant: TenantId, name: str, context_id: str) -> Context:
+        for context in await self.list(tenant, name):
+            if context.id == context_id:
+                return context
+        raise NotFoundError(f"no code context {context_id!r} in sandbox {name}")
+
+    async def create(
+        self,
+        tenant: TenantId,
+        name: str,
+        *,
+        language: str = "python",
+        cwd: str | None = None,
+        context_id: str | None = None,
+    ) -> Context:
+        """A new context, its kernel ready; with `context_id` given and already running,
+        that one (so the default context is made once, whoever asks first)."""
+        if language not in LANGUAGES:
+            raise InvalidRequestError(
+                f"language {language!r} has no kernel here; use one of {', '.join(LANGUAGES)}"
+            )
+        context_id = context_id or "ctx-" + secrets.token_hex(6)
+        check_context_id(context_id)
+        directory = cwd or "/workspace"
+        args = ["--context", context_id, "--cwd", directory]
+        try:
+            pid = await self.toolbox.start_program(
+                tenant, name, "kernel_bridge", args, cwd=directory, tag=TAG_PREFIX + context_id
+            )
+        except ConflictError as exc:
+            if exc.code != "exists":
+                raise
+            return await self._ready(tenant, name, await self.get(tenant, name, context_id))
+        return await self._ready(tenant, name, Context(context_id, language, directory, pid))
+
+    async def default(self, tenant: TenantId, name: str) -> Context:
+        """The sandbox's default context, made by the first run that needs it."""
+        try:
+            return await self.get(tenant, name, DEFAULT_CONTEXT)
+        except NotFoundError:
+            return await self.create(tenant, name, context_id=DEFAULT_CONTEXT)
+
+    async def _ready(self, tenant: TenantId, name: str, context: Context) -> Context:
+        """Wait for the bridge's `ready` line: its kernel answers."""
+        async with asyncio.timeout(READY_SECONDS):
+            async for event in self._events(tenant, name, context.pid, 0):
+                if event.get("type") == "ready":
+                    return context
+                if event.get("type") == "error" and event.get("run") is None:
+                    raise SandgateError(
+                        f"the kernel of context {context.id} did not start: {event.get('value')}",
+                        code="worker_error",
+                    )
+        raise ConflictError(f"the kernel of context {context.id} exited while starting")
+
+    async def delete(self, tenant: TenantId, name: str, context_id: str) -> None:
+        context = await self.get(tenant, name, context_id)
+        # end of its stdin: the bridge shuts its kernel down and exits
+        await self.toolbox.write_stdin(tenant, name, context.pid, b"", close=True)
+
+    async def restart(self, tenant: TenantId, name: str, context_id: str) -> Context:
+        context = await self.get(tenant, name, context_id)
+        offset = await self._output_end(tenant, name, context.pid)
+        await self._send(tenant, name, context.pid, {"op": "restart"})
+        async with asyncio.timeout(READY_SECONDS):
+            async for event in self._events(tenant, name, context.pid, offset):
+                if event.get("type") == "restarted":
+                    return context
+        raise ConflictError(f"context {context_id} ended while restarting")
+
+    async def run(
+        self,
+        tenant: TenantId,
+        name: str,
+        context: Context | str,
+        code: str,
+        *,
+        env: dict[str, str] | None = None,
+        time_limit: float | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The run's events (`number_of_executions`, `stdout`, `stderr`, `result`, `error`),
+        ending with `end_of_execution`. `context`: its id, or the context as just listed."""
+        if isinstance(context, str):
+            context = await self.get(tenant, name, context)
+        offset = context.output_end  # its events come after what was written before
+        run_id = secrets.token_hex(8)
+        # the bridge interrupts the kernel when the time limit passes
+        request: dict[str, Any] = {"op": "run", "run": run_id, "code": code, "env": env or {}}
+        request["timeout"] = time_limit
+        await self._send(tenant, name, context.pid, request)
+        finished = False
+        try:
+            async for event in self._events(tenant, name, context.pid, offset):
+                if event.get("run") != run_id:
+                    continue
+                event.pop("run", None)
+                last = event.get("type") == "end_of_execution"
+                yield event
+                if last:
+                    finished = True
+                    return
+            yield {
+                "type": "error",
+                "name": "KernelDied",
+                "value": "the context ended while running this code: create it again",
+                "traceback": "",
+            }
+            yield {"type": "end_of_execution"}
+            finished = True
+        finally:
+            if not finished:  # the client left, or the call failed: stop the code
+                with contextlib.suppress(SandgateError):
+                    await asyncio.shield(self._send(tenant, name, context.pid, {"op": "interrupt"}))
+
+    async def _output_end(self, tenant: TenantId, name: str, pid: int) -> int:
+        for process in await self.toolbox.processes(tenant, name):
+            if process.pid == pid:
+                return process.output_end
+        raise NotFoundError(f"the context's process {pid} is gone")
+
+    async def _send(self, tenant: TenantId, name: str, pid: int, request: dict[str, Any]) -> None:
+        line = json.dumps(request, separators=(",", ":")) + "\n"
+        await self.toolbox.write_stdin(tenant, name, pid, line.encode(), close=False)
+
+    async def _events(
+        self, tenant: TenantId, name: str, pid: int, offset: int
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The bridge's JSON lines from `offset` until it exits."""
+        pending = b""
+        while True:
+            page = await self.toolbox.process_output(tenant, name, pid, offset, wait=FOLLOW_WAIT)
+            if page.first_offset > offset:  # dropped from the buffer: resync on a line end
+                pending = b""
+            for chunk in page.chunks:
+                if chunk.stream != "stdout":
+                    continue  # the kernel's own log lines
+                pending += chunk.data
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                with contextlib.suppress(ValueError):
+                    event = json.loads(line)
+                    if isinstance(event, dict):
+                        yield event
+            offset = page.next_offset
+            if page.exited:
+                return

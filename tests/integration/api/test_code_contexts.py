@@ -1,0 +1,113 @@
+"""Code contexts over the native API: real IPython kernels in real sandboxes.
+
+The kernel is the sandbox's own Python with Debian's python3-ipykernel (scripts/install puts
+it on the host root every sandbox starts from).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+
+from tests.integration.api.conftest import Deployment
+
+
+def run(client: httpx.Client, path: str, code: str, **body: Any) -> list[tuple[str, Any]]:
+    events: list[tuple[str, Any]] = []
+    with client.stream("POST", path, json={"code": code, **body}) as answer:
+        assert answer.status_code == 200, answer.read()
+        kind = None
+        for line in answer.iter_lines():
+            if line.startswith("event: "):
+                kind = line[len("event: ") :]
+            elif line.startswith("data: "):
+                events.append((str(kind), json.loads(line[len("data: ") :])))
+    assert events and events[-1][0] == "end", events
+    return events
+
+
+def of(events: list[tuple[str, Any]], kind: str) -> list[Any]:
+    return [body for name, body in events if name == kind]
+
+
+def test_state_results_errors_and_isolation(alpha: httpx.Client, sandbox: str) -> None:
+    base = f"/api/v1/sandboxes/{sandbox}"
+    created = alpha.post(f"{base}/contexts", json={"language": "python"})
+    assert created.status_code == 201, created.text
+    ctx = created.json()["id"]
+    assert run(alpha, f"{base}/contexts/{ctx}/run", "x = 41")[-1][1]["execution_count"] == 1
+    events = run(alpha, f"{base}/contexts/{ctx}/run", "print('out'); x + 1")
+    assert of(events, "stdout") == [
+        {"text": "out\n", "timestamp": of(events, "stdout")[0]["timestamp"]}
+    ]
+    (main,) = of(events, "result")
+    assert main["is_main_result"] is True and main["text"] == "42"
+    error = of(run(alpha, f"{base}/contexts/{ctx}/run", "1/0"), "error")[0]
+    assert error["name"] == "ZeroDivisionError" and "division by zero" in error["value"]
+    plot = "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()"
+    (figure,) = of(run(alpha, f"{base}/contexts/{ctx}/run", plot), "result")
+    assert figure["is_main_result"] is False and figure["png"].startswith("iVBOR")
+    html = "from IPython.display import HTML, display\ndisplay(HTML('<b>hi</b>'))"
+    assert of(run(alpha, f"{base}/contexts/{ctx}/run", html), "result")[0]["html"] == "<b>hi</b>"
+    env = run(
+        alpha, f"{base}/contexts/{ctx}/run", "import os; os.environ['ONLY']", env={"ONLY": "here"}
+    )
+    assert of(env, "result")[0]["text"] == "'here'"
+    gone = run(alpha, f"{base}/contexts/{ctx}/run", "import os; os.environ.get('ONLY')")
+    assert of(gone, "result") == [], "env applies to its own run only"
+    # the default context is another interpreter
+    default = run(alpha, f"{base}/run-code", "x")
+    assert of(default, "error")[0]["name"] == "NameError"
+    assert default[-1][1]["context"] == "default"
+    listed = {c["id"] for c in alpha.get(f"{base}/contexts").json()}
+    assert listed == {ctx, "default"}
+
+
+def test_timeouts_interrupt_and_restart_forgets(alpha: httpx.Client, sandbox: str) -> None:
+    base = f"/api/v1/sandboxes/{sandbox}"
+    ctx = alpha.post(f"{base}/contexts", json={}).json()["id"]
+    run(alpha, f"{base}/contexts/{ctx}/run", "kept = 1")
+    started = time.monotonic()
+    late = run(alpha, f"{base}/contexts/{ctx}/run", "while True: pass", timeout=1)
+    assert time.monotonic() - started < 20
+    assert of(late, "error")[0]["name"] == "TimeoutError"
+    # interrupted, not killed: the context still has its state
+    assert of(run(alpha, f"{base}/contexts/{ctx}/run", "kept"), "result")[0]["text"] == "1"
+    # a kernel that dies says so, and a restart brings a fresh one
+    died = run(alpha, f"{base}/contexts/{ctx}/run", "import os; os._exit(1)", timeout=10)
+    assert of(died, "error") and of(died, "error")[0]["name"] in ("KernelDied", "TimeoutError")
+    assert alpha.post(f"{base}/contexts/{ctx}/restart").status_code == 200
+    fresh = run(alpha, f"{base}/contexts/{ctx}/run", "kept")
+    assert of(fresh, "error")[0]["name"] == "NameError"
+    assert alpha.delete(f"{base}/contexts/{ctx}").status_code == 204
+    for _ in range(100):
+        if ctx not in {c["id"] for c in alpha.get(f"{base}/contexts").json()}:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("a deleted context is still listed")
+    missing = alpha.post(f"{base}/contexts/{ctx}/run", json={"code": "1"})
+    assert missing.status_code == 404
+
+
+def test_bad_input(
+    alpha: httpx.Client, beta: httpx.Client, sandbox: str, deployment: Deployment
+) -> None:
+    base = f"/api/v1/sandboxes/{sandbox}"
+    assert alpha.post(f"{base}/contexts", json={"language": "cobol"}).status_code == 422
+    ctx = alpha.post(f"{base}/contexts", json={}).json()["id"]
+    # another tenant cannot see the sandbox, let alone its context
+    theirs = beta.post(f"{base}/contexts/{ctx}/run", json={"code": "1"})
+    assert theirs.status_code == 404
+    other = alpha.post("/api/v1/sandboxes", json={}).json()["name"]
+    try:
+        elsewhere = alpha.post(f"/api/v1/sandboxes/{other}/contexts/{ctx}/run", json={"code": "1"})
+        assert elsewhere.status_code == 404, "a context is its own sandbox's"
+    finally:
+        alpha.delete(f"/api/v1/sandboxes/{other}")
+    too_long = alpha.post(f"{base}/contexts/{ctx}/run", json={"code": "1", "timeout": 10**9})
+    assert too_long.status_code == 400
+    assert alpha.post(f"{base}/contexts/{ctx}/run", json={}).status_code == 422
