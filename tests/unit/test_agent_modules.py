@@ -11,19 +11,19 @@ import ast
 import sys
 from pathlib import Path
 
-from sandgate.agent import MODULES, deployed_name
+from sandgate.agent import MODULES, PROGRAMS, deployed_name
 
 AGENT_DIR = Path(__file__).resolve().parents[2] / "src" / "sandgate" / "agent"
 
 
 def test_every_module_is_deployed() -> None:
     files = sorted(p.stem for p in AGENT_DIR.glob("*.py") if p.name != "__init__.py")
-    assert sorted(MODULES) == files
-    assert len(set(MODULES)) == len(MODULES)
+    assert sorted(MODULES + PROGRAMS) == files
+    assert len(set(MODULES + PROGRAMS)) == len(MODULES + PROGRAMS)
 
 
 def test_no_module_shadows_the_standard_library() -> None:
-    names = [deployed_name(m).removesuffix(".py") for m in MODULES] + ["agent"]
+    names = [deployed_name(m).removesuffix(".py") for m in MODULES] + ["agent", *PROGRAMS]
     assert [n for n in names if n in sys.stdlib_module_names] == []
 
 
