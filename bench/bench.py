@@ -169,6 +169,58 @@ def e2b_create_to_first_command(url: str, key: str, m: int) -> list[float]:
     return times
 
 
+def pss_of_sandbox(name: str) -> float | None:
+    """PSS (MiB) of one sandbox's processes, read from its cgroup."""
+    kib = 0
+    found = False
+    for group in Path("/sys/fs/cgroup/pids").glob(f"**/sandgate/*/{name}"):
+        found = True
+        for pid in (group / "cgroup.procs").read_text().split():
+            try:
+                for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                    if line.startswith("Pss:"):
+                        kib += int(line.split()[1])
+            except OSError:
+                continue
+    return kib / 1024 if found else None
+
+
+def code_interpreter(
+    url: str, key: str, n: int, m: int
+) -> tuple[list[float], list[float], float | None]:
+    """E2B's code interpreter SDK: create-to-first-`run_code` result over `m` sandboxes (one
+    at a time, killed after; the first 2 warm-ups), warm `run_code("1+1")` on one, and the
+    idle PSS of a sandbox whose default context (its kernel) is up."""
+    from e2b_code_interpreter import Sandbox
+
+    firsts = []
+    for i in range(m + 2):
+        start = time.perf_counter()
+        sbx = Sandbox.create(api_key=key, api_url=url, sandbox_url=url)
+        try:
+            assert sbx.run_code("1+1").text == "2"
+            elapsed = (time.perf_counter() - start) * 1000
+        finally:
+            sbx.kill()
+        if i >= 2:
+            firsts.append(elapsed)
+    sbx = Sandbox.create(api_key=key, api_url=url, sandbox_url=url)
+    try:
+        warm = []
+        for i in range(n + 20):
+            start = time.perf_counter()
+            text = sbx.run_code("1+1").text
+            elapsed = (time.perf_counter() - start) * 1000
+            assert text == "2", text
+            if i >= 20:
+                warm.append(elapsed)
+        time.sleep(1)
+        idle = pss_of_sandbox(sbx.sandbox_id)
+    finally:
+        sbx.kill()
+    return firsts, warm, idle
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runtime", default="bwrap", choices=["bwrap", "process"])
@@ -183,6 +235,16 @@ def main() -> None:
     )
     parser.add_argument(
         "--e2b-creates", type=int, default=20, help="E2B create-to-first-command samples"
+    )
+    parser.add_argument(
+        "--code-interpreter",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure E2B's code interpreter SDK (run_code on a real kernel)",
+    )
+    parser.add_argument("--ci-n", type=int, default=100, help="warm run_code samples")
+    parser.add_argument(
+        "--ci-creates", type=int, default=10, help="create-to-first-run_code samples"
     )
     args = parser.parse_args()
     # sandboxes alive at once: the native creates, then (E2B) one more at a time, each killed
@@ -256,6 +318,11 @@ def main() -> None:
             # E2B's SDK right after, in the same conditions (the native sandboxes still idle)
             e2b_runs = e2b_run(url, key, args.n) if args.e2b else []
             e2b_firsts = e2b_create_to_first_command(url, key, args.e2b_creates) if args.e2b else []
+            ci = (
+                code_interpreter(url, key, args.ci_n, args.ci_creates)
+                if args.code_interpreter
+                else None
+            )
 
             # live output: lines a background process prints, as a follower receives them
             command = (
@@ -314,10 +381,15 @@ def main() -> None:
         if e2b_runs:
             print(f"E2B SDK   commands.run echo ok (sync)       {summary(e2b_runs)}")
             print(f"E2B SDK   create-to-first-command           {summary(e2b_firsts)}")
+        if ci is not None:
+            print(f"E2B CI    create-to-first-run_code result   {summary(ci[0])}")
+            print(f"E2B CI    run_code('1+1') warm              {summary(ci[1])}")
         if memory:
             print(
                 f"memory    PSS per idle sandbox              {memory[0]:7.2f} MiB (mean of {memory[1]})"
             )
+        if ci is not None and ci[2] is not None:
+            print(f"memory    PSS per idle sandbox with a kernel {ci[2]:6.2f} MiB (one sandbox)")
         print()
         print(
             f"ratio     API execute p50 / host spawn p50   {statistics.median(execs) / spawn_p50:5.2f}x  (target <= 3)"

@@ -50,6 +50,9 @@ MIME_FIELDS = MappingProxyType(
     }
 )
 READY_TIMEOUT = 60.0
+# IPython's input history is an SQLite file written at every execution: a third of the time
+# of a short one; the execution count, `_` and `Out` stay
+KERNEL_ARGUMENTS = ("--HistoryManager.enabled=False",)
 POLL_SECONDS = 0.5  # how often a run waiting for kernel output checks the kernel is alive
 # events of one burst of kernel messages go out in one write (so the control plane reads them
 # in one request): a line waits at most this long for the next message
@@ -101,7 +104,9 @@ class Bridge:
         return env
 
     def start(self) -> None:
-        self.manager.start_kernel(cwd=self.cwd, env=self.kernel_env())
+        self.manager.start_kernel(
+            cwd=self.cwd, env=self.kernel_env(), extra_arguments=list(KERNEL_ARGUMENTS)
+        )
         self.connect()
 
     def connect(self) -> None:

@@ -391,7 +391,7 @@ class Registry:
         return self._read(req, terminal=False)
 
     def _proc_stdin(self, req: Header, payload: bytes) -> tuple[Header, bytes]:
-        entry = self._entry(req, terminal=False)
+        entry = self._tagged(req) if "tag" in req else self._entry(req, terminal=False)
         close = req.get("close", False)
         if not isinstance(close, bool):
             raise self._invalid("'close' must be a boolean")
@@ -400,11 +400,22 @@ class Registry:
                 raise self._invalid(f"the stdin of process {entry.pid} was closed")
             if entry.reap():  # its stdin went with it, even while the pump still reads
                 raise self._exited(entry, "process", 0, len(payload))
+            # what it answers to this input is written past here (a reader starts there)
+            output_end = entry.output.end
             self._write_locked(entry, payload, "process")
             if close:
                 close_write_fd(entry)
                 entry.stdin_closed = True
-        return {"written": len(payload)}, b""
+        return {"written": len(payload), "pid": entry.pid, "output_end": output_end}, b""
+
+    def _tagged(self, req: Header) -> Entry:
+        """The running process with the request's tag (instead of a pid)."""
+        tag = self._tag(req)
+        with self._lock:
+            for entry in self._entries.values():
+                if entry.tag == tag and entry.exit_code is None and not entry.terminal:
+                    return entry
+        raise AgentError("not_found", f"no running process is tagged {tag!r}")
 
     def _proc_signal(self, req: Header, payload: bytes) -> tuple[Header, bytes]:
         entry = self._entry(req, terminal=None)

@@ -53,6 +53,14 @@ def _context_of(process: Process) -> Context | None:
     return Context(context_id, "python", cwd, process.pid, process.output_end)
 
 
+async def _prepend(
+    first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]
+) -> AsyncIterator[dict[str, Any]]:
+    yield first
+    async for event in rest:
+        yield event
+
+
 def check_context_id(context_id: str) -> None:
     if not 0 < len(context_id) <= 64 or not set(context_id) <= CONTEXT_ID_CHARS:
         raise InvalidRequestError("a context id is 1-64 characters of a-z, 0-9 and '-'")
@@ -108,6 +116,32 @@ class ContextService:
         except NotFoundError:
             return await self.create(tenant, name, context_id=DEFAULT_CONTEXT)
 
+    async def start_run(
+        self,
+        tenant: TenantId,
+        name: str,
+        context_id: str | None,
+        code: str,
+        *,
+        env: dict[str, str] | None = None,
+        time_limit: float | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """`run`, its first event read already: a context that does not exist raises here,
+        before a stream has answered. Without a context id, in the default context, made
+        by the first run that needs it."""
+        target = context_id or DEFAULT_CONTEXT
+        for attempt in (1, 2):
+            events = self.run(tenant, name, target, code, env=env, time_limit=time_limit)
+            try:
+                first = await anext(events)
+            except NotFoundError:
+                if context_id is not None or attempt == 2:
+                    raise
+                await self.default(tenant, name)
+                continue
+            return _prepend(first, events)
+        raise AssertionError("unreachable")
+
     async def _ready(self, tenant: TenantId, name: str, context: Context) -> Context:
         """Wait for the bridge's `ready` line: its kernel answers."""
         async with asyncio.timeout(READY_SECONDS):
@@ -140,25 +174,29 @@ class ContextService:
         self,
         tenant: TenantId,
         name: str,
-        context: Context | str,
+        context_id: str,
         code: str,
         *,
         env: dict[str, str] | None = None,
         time_limit: float | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """The run's events (`number_of_executions`, `stdout`, `stderr`, `result`, `error`),
-        ending with `end_of_execution`. `context`: its id, or the context as just listed."""
-        if isinstance(context, str):
-            context = await self.get(tenant, name, context)
-        offset = context.output_end  # its events come after what was written before
+        ending with `end_of_execution`. The request goes to the context by its tag, and
+        its answer is read from where the output stood then: two calls into the sandbox."""
         run_id = secrets.token_hex(8)
         # the bridge interrupts the kernel when the time limit passes
         request: dict[str, Any] = {"op": "run", "run": run_id, "code": code, "env": env or {}}
         request["timeout"] = time_limit
-        await self._send(tenant, name, context.pid, request)
+        line = (json.dumps(request, separators=(",", ":")) + "\n").encode()
+        try:
+            pid, offset = await self.toolbox.write_stdin_tagged(
+                tenant, name, TAG_PREFIX + context_id, line
+            )
+        except NotFoundError:
+            raise NotFoundError(f"no code context {context_id!r} in sandbox {name}") from None
         finished = False
         try:
-            async for event in self._events(tenant, name, context.pid, offset):
+            async for event in self._events(tenant, name, pid, offset):
                 if event.get("run") != run_id:
                     continue
                 event.pop("run", None)
@@ -178,7 +216,7 @@ class ContextService:
         finally:
             if not finished:  # the client left, or the call failed: stop the code
                 with contextlib.suppress(SandgateError):
-                    await asyncio.shield(self._send(tenant, name, context.pid, {"op": "interrupt"}))
+                    await asyncio.shield(self._send(tenant, name, pid, {"op": "interrupt"}))
 
     async def _output_end(self, tenant: TenantId, name: str, pid: int) -> int:
         for process in await self.toolbox.processes(tenant, name):

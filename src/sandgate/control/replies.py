@@ -86,6 +86,13 @@ class OutputReply(_Reply):
     exit_code: int | None = None
 
 
+class TaggedWriteReply(_Reply):
+    """proc_stdin to a process named by its tag: which one, and where its output stood."""
+
+    pid: int = Field(ge=1)
+    output_end: int = Field(ge=0)
+
+
 class StartedReply(_Reply):
     """proc_start with a `wait`: the pid and the first read of its output."""
 

@@ -37,6 +37,7 @@ from sandgate.control.replies import (
     Process,
     ProcessesReply,
     StartedReply,
+    TaggedWriteReply,
     WatchReadReply,
     WatchStartReply,
     WrittenReply,
@@ -349,6 +350,16 @@ class Toolbox:
         fields = {"pid": pid, "close": close}
         raw, _ = await self._call(tenant, name, "proc_stdin", fields, data)
         return parse(WrittenReply, raw).written
+
+    async def write_stdin_tagged(
+        self, tenant: TenantId, name: str, tag: str, data: bytes
+    ) -> tuple[int, int]:
+        """Write to the stdin of the running process with `tag` (`proc_start`'s): its pid,
+        and the offset its output had reached just before the write (what it answers to
+        this input comes after it). One call, where a pid would need a lookup first."""
+        raw, _ = await self._call(tenant, name, "proc_stdin", {"tag": tag, "close": False}, data)
+        reply = parse(TaggedWriteReply, raw)
+        return reply.pid, reply.output_end
 
     async def signal_process(self, tenant: TenantId, name: str, pid: int, signal: str) -> None:
         await self._call(tenant, name, "proc_signal", {"pid": pid, "signal": signal})

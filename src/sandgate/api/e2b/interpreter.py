@@ -91,14 +91,11 @@ async def _execute(body: dict[str, Any], svc: Services, who: EnvdCaller) -> Resp
     env = body.get("env_vars") or {}
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         raise InvalidRequestError("env_vars must be an object of strings")
-    contexts = svc.contexts
-    if context_id:
-        context = await contexts.get(who.tenant, who.sandbox, str(context_id))
-    elif language not in (None, "python"):
+    if language not in (None, "python"):
         raise InvalidRequestError(f"language {language!r} has no kernel here; use python")
-    else:
-        context = await contexts.default(who.tenant, who.sandbox)
-    events = contexts.run(who.tenant, who.sandbox, context, code, env=env)
+    events = await svc.contexts.start_run(
+        who.tenant, who.sandbox, str(context_id) if context_id else None, code, env=env
+    )
 
     async def lines() -> AsyncIterator[bytes]:
         async for event in events:

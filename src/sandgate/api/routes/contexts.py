@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from sandgate.api.deps import Services, services, tenant
 from sandgate.api.routes.sandboxes import error_docs
 from sandgate.api.schemas import CodeContextOut, CreateCodeContext, RunCode
-from sandgate.control.contexts import Context
+from sandgate.control.contexts import DEFAULT_CONTEXT, Context
 from sandgate.errors import InvalidRequestError
 from sandgate.store.base import TenantId
 
@@ -61,23 +61,26 @@ async def restart(name: str, context_id: str, who: Tenant, svc: Svc) -> Any:
 
 @router.post("/contexts/{context_id}/run", responses=sse_docs())
 async def run(name: str, context_id: str, body: RunCode, who: Tenant, svc: Svc) -> Any:
-    context = await svc.contexts.get(who, name, context_id)  # a 404 before the 200
-    return _stream(svc, who, name, context, body)
+    return await _stream(svc, who, name, context_id, body)
 
 
 @router.post("/run-code", responses=sse_docs())
 async def run_code(name: str, body: RunCode, who: Tenant, svc: Svc) -> Any:
     """Run in the sandbox's default context (made on first use)."""
-    return _stream(svc, who, name, await svc.contexts.default(who, name), body)
+    return await _stream(svc, who, name, None, body)
 
 
-def _stream(
-    svc: Services, who: TenantId, name: str, context: Context, body: RunCode
+async def _stream(
+    svc: Services, who: TenantId, name: str, context_id: str | None, body: RunCode
 ) -> StreamingResponse:
     timeout = body.timeout if body.timeout is not None else svc.settings.default_exec_timeout
     if timeout > svc.settings.max_exec_timeout:
         raise InvalidRequestError(f"timeout is at most {svc.settings.max_exec_timeout:g} seconds")
-    events = svc.contexts.run(who, name, context, body.code, env=body.env, time_limit=timeout)
+    # a context that does not exist is a 404 before the stream's 200
+    events = await svc.contexts.start_run(
+        who, name, context_id, body.code, env=body.env, time_limit=timeout
+    )
+    shown = context_id or DEFAULT_CONTEXT
 
     async def sse() -> AsyncIterator[bytes]:
         count = None
@@ -86,7 +89,7 @@ def _stream(
             if kind == "number_of_executions":
                 count = event.get("execution_count")
             elif kind == "end_of_execution":
-                yield _event("end", {"execution_count": count, "context": context.id})
+                yield _event("end", {"execution_count": count, "context": shown})
             else:
                 yield _event(kind, event)
 
