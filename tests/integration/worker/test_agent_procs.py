@@ -209,6 +209,14 @@ def test_a_tag_names_one_running_process(agent: Client) -> None:
     agent.follow(pid)
     again = agent.start("true", tag="ctx:one")  # its process ended: the tag is free again
     assert _entry(agent, again)["tag"] == "ctx:one"
+    # stdin addressed by tag: which process, and where its output stood before the write
+    cat = agent.start("cat", tag="ctx:cat")
+    header, _ = agent.call("proc_stdin", b"abc\n", tag="ctx:cat")
+    assert header["ok"] and (header["pid"], header["output_end"]) == (cat, 0), header
+    agent.read_until(cat, b"abc", 0, op="proc_read")
+    header, _ = agent.call("proc_stdin", b"de\n", tag="ctx:cat")
+    assert header["output_end"] == 4
+    assert agent.error("proc_stdin", tag="ctx:none") == "not_found"
     assert agent.error("proc_start", command="true", tag="") == "invalid_request"
     assert agent.error("proc_start", program="nope", argv=["x"]) == "invalid_request"
 
