@@ -32,6 +32,7 @@ LANGUAGES = ("python",)
 DEFAULT_CONTEXT = "default"
 READY_SECONDS = 60.0  # a kernel that does not answer within this is a failed create
 FOLLOW_WAIT = 25.0
+DELETE_SECONDS = 10.0  # then a context's process that did not exit is killed
 CONTEXT_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
 
 
@@ -156,9 +157,23 @@ class ContextService:
         raise ConflictError(f"the kernel of context {context.id} exited while starting")
 
     async def delete(self, tenant: TenantId, name: str, context_id: str) -> None:
+        """End the context: its kernel is shut down and its process has exited when this
+        returns (so a list right after no longer has it)."""
         context = await self.get(tenant, name, context_id)
         # end of its stdin: the bridge shuts its kernel down and exits
         await self.toolbox.write_stdin(tenant, name, context.pid, b"", close=True)
+        offset = context.output_end
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(DELETE_SECONDS):
+                while True:
+                    page = await self.toolbox.process_output(
+                        tenant, name, context.pid, offset, wait=FOLLOW_WAIT
+                    )
+                    if page.exited:
+                        return
+                    offset = page.next_offset
+        # a bridge that did not exit in time (a kernel stuck in its shutdown) is killed
+        await self.toolbox.signal_process(tenant, name, context.pid, "SIGKILL")
 
     async def restart(self, tenant: TenantId, name: str, context_id: str) -> Context:
         context = await self.get(tenant, name, context_id)
