@@ -73,6 +73,7 @@ NAMES = {
     "AsyncFiles": "Files",
     "AsyncProcesses": "Processes",
     "AsyncProcess": "Process",
+    "AsyncCodeContexts": "CodeContexts",
     "AsyncTerminal": "Terminal",
     "_AsyncApi": "_Api",
     "_AsyncExecJobs": "_ExecJobs",

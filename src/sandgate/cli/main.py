@@ -177,12 +177,13 @@ _add_run_commands()
 
 def _add_client_commands() -> None:
     """The commands that talk to a running API through the SDK (`sandgate.client`)."""
-    from sandgate.cli import cp, exec_jobs, sandbox, shell
+    from sandgate.cli import cp, exec_jobs, run_code, sandbox, shell
 
     app.add_typer(sandbox.app, name="sandbox")
     app.add_typer(exec_jobs.app, name="exec-job")
     app.command("cp")(cp.cp)
     app.command("shell")(shell.shell)
+    app.command("run-code")(run_code.run_code)
 
 
 _add_client_commands()

@@ -6,6 +6,7 @@ from sandgate.client import Sandgate
 with Sandgate() as sg:  # $SANDGATE_URL / $SANDGATE_API_KEY, else a local `sandgate up`
     box = sg.sandboxes.create(metadata={"agent": "demo"})
     print(box.run("print(6*7)", language="python").stdout)
+    box.run_code("x = 41"); print(box.run_code("x + 1").text)  # a stateful IPython kernel
     job = box.wait_exec_job(box.submit_exec_job("make test").id)  # run once, in the background
     box.files.write("data.csv", Path("data.csv"))
     box.delete()
@@ -15,10 +16,16 @@ The reference is docs/client.md.
 """
 
 from sandgate.client._async import AsyncSandbox, AsyncSandboxes, AsyncSandgate
-from sandgate.client._async_toolbox import AsyncFiles, AsyncProcess, AsyncProcesses, AsyncTerminal
+from sandgate.client._async_toolbox import (
+    AsyncCodeContexts,
+    AsyncFiles,
+    AsyncProcess,
+    AsyncProcesses,
+    AsyncTerminal,
+)
 from sandgate.client._base import DEFAULT_URL, KEY_FILE, Progress, RetryPolicy
 from sandgate.client._sync import Sandbox, Sandboxes, Sandgate
-from sandgate.client._sync_toolbox import Files, Process, Processes, Terminal
+from sandgate.client._sync_toolbox import CodeContexts, Files, Process, Processes, Terminal
 from sandgate.client.errors import (
     APIConnectionError,
     APITimeoutError,
@@ -36,13 +43,18 @@ from sandgate.client.errors import (
     UnavailableError,
 )
 from sandgate.client.models import (
+    CodeContext,
     ExecJob,
     ExecJobState,
     ExecResult,
+    Execution,
+    ExecutionError,
     FileEntry,
     OutputEvent,
+    OutputMessage,
     ProcessInfo,
     PtyToken,
+    Result,
     SandboxInfo,
 )
 
@@ -51,6 +63,7 @@ __all__ = (
     "KEY_FILE",
     "APIConnectionError",
     "APITimeoutError",
+    "AsyncCodeContexts",
     "AsyncFiles",
     "AsyncProcess",
     "AsyncProcesses",
@@ -59,17 +72,22 @@ __all__ = (
     "AsyncSandgate",
     "AsyncTerminal",
     "AuthenticationError",
+    "CodeContext",
+    "CodeContexts",
     "ConflictError",
     "ExecJob",
     "ExecJobState",
     "ExecJobTimeoutError",
     "ExecResult",
+    "Execution",
+    "ExecutionError",
     "FileEntry",
     "Files",
     "GatewayTimeoutError",
     "InvalidRequestError",
     "NotFoundError",
     "OutputEvent",
+    "OutputMessage",
     "PayloadTooLargeError",
     "PermissionDeniedError",
     "Process",
@@ -78,6 +96,7 @@ __all__ = (
     "Progress",
     "PtyToken",
     "RateLimitedError",
+    "Result",
     "RetryPolicy",
     "Sandbox",
     "SandboxInfo",

@@ -19,7 +19,7 @@ from __future__ import annotations
 import builtins
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -31,9 +31,11 @@ from websockets.exceptions import InvalidHandshake, InvalidStatus
 
 from sandgate.client._async_api import _AsyncApi
 from sandgate.client._async_toolbox import (
+    AsyncCodeContexts,
     AsyncFiles,
     AsyncProcesses,
     AsyncTerminal,
+    _run_code,
     _TerminalOpener,
 )
 from sandgate.client._base import (
@@ -54,7 +56,17 @@ from sandgate.client._base import (
     ws_url,
 )
 from sandgate.client.errors import APIConnectionError
-from sandgate.client.models import ExecJob, ExecResult, PtyToken, SandboxInfo
+from sandgate.client.models import (
+    CodeContext,
+    ExecJob,
+    ExecResult,
+    Execution,
+    ExecutionError,
+    OutputMessage,
+    PtyToken,
+    Result,
+    SandboxInfo,
+)
 
 ASYNC = True  # `if ASYNC: <asyncio> else: <blocking>`: scripts/async_to_sync.py keeps the else
 
@@ -271,6 +283,11 @@ class AsyncSandbox(SandboxInfo):
     def processes(self) -> AsyncProcesses:
         return AsyncProcesses(self._api, self.name)
 
+    @property
+    def contexts(self) -> AsyncCodeContexts:
+        """Its code contexts: stateful interpreters for `run_code`."""
+        return AsyncCodeContexts(self._api, self.name)
+
     def _update(self, body: dict[str, Any]) -> None:
         for key, value in SandboxInfo.fields_from_json(body).items():
             setattr(self, key, value)
@@ -318,6 +335,39 @@ class AsyncSandbox(SandboxInfo):
             timeouts=self._api.stream_timeout(read),
         )
         return ExecResult.from_json(answer)
+
+    async def run_code(
+        self,
+        code: str,
+        *,
+        context: CodeContext | str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (the kernel is interrupted after it)
+        on_stdout: Callable[[OutputMessage], Any] | None = None,
+        on_stderr: Callable[[OutputMessage], Any] | None = None,
+        on_result: Callable[[Result], Any] | None = None,
+        on_error: Callable[[ExecutionError], Any] | None = None,
+    ) -> Execution:
+        """Run Python `code` in a stateful context (a `CodeContext` or its id; None: the
+        sandbox's default context, made on first use), as a notebook cell: what it defines is
+        kept for the next run there. `env` applies to this run only; after `timeout` seconds
+        (server default 30) the code is interrupted and the error is a `TimeoutError`.
+
+        The callbacks get each piece as it streams (stdout and stderr as `OutputMessage`s,
+        results, the error); in the asyncio client they may be coroutines. An exception the
+        code raised is `Execution.error`, not raised here. Never retried once sent."""
+        return await _run_code(
+            self._api,
+            self.name,
+            code,
+            context=context,
+            env=env,
+            timeout=timeout,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+            on_result=on_result,
+            on_error=on_error,
+        )
 
     async def submit_exec_job(
         self,

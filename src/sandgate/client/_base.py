@@ -34,7 +34,14 @@ from sandgate.client.errors import (
     SandgateError,
     error_class,
 )
-from sandgate.client.models import ExecJob, OutputEvent
+from sandgate.client.models import (
+    ExecJob,
+    Execution,
+    ExecutionError,
+    OutputEvent,
+    OutputMessage,
+    Result,
+)
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 KEY_FILE = Path(".sandgate") / "api-key"  # where `sandgate up` saves its key, from the cwd
@@ -52,6 +59,8 @@ STREAM_IDLE_TIMEOUT = 60.0  # a followed stream silent this long is reopened at 
 NO_FOLLOW_IDLE = 1.0  # `output(follow=False)` stops after this long without output
 NO_FOLLOW_MAX = 5.0  # ... or after this long in all, for a process that never pauses
 WAIT_POLL_MAX = 0.5  # `Process.wait`: the longest pause between two looks at the process
+# a context's create or restart waits for its kernel to answer (the server gives it 60 s)
+CONTEXT_READ_TIMEOUT = 120.0
 
 Progress: TypeAlias = Callable[[int, int | None], None]
 """Called as bytes move: (bytes so far, total bytes or None when unknown)."""
@@ -342,6 +351,60 @@ def event_offset(event: ServerEvent, current: int) -> int:
         return int(event.id) if event.id is not None else current
     except ValueError:
         return current
+
+
+# ------------------------------------------------------------------------------ code runs
+
+
+def run_code_body(
+    code: str, env: Mapping[str, str] | None, timeout: float | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"code": code}
+    if env:
+        body["env"] = dict(env)
+    if timeout is not None:
+        body["timeout"] = timeout
+    return body
+
+
+CodeEvent: TypeAlias = "OutputMessage | Result | ExecutionError"
+
+
+class ExecutionReader:
+    """A `run_code` stream's events, into an `Execution` as they come (`stdout`, `stderr`,
+    `result`, `error`, then `end`); unknown events are skipped."""
+
+    def __init__(self) -> None:
+        self.execution = Execution()
+        self.ended = False
+
+    def feed(self, event: ServerEvent) -> CodeEvent | None:
+        """Take one event; what a callback is given for it (None for `end` and the rest)."""
+        kind = event.event
+        if kind not in ("stdout", "stderr", "result", "error", "end"):
+            return None
+        body = json.loads(event.data) if event.data else {}
+        if not isinstance(body, dict):
+            return None
+        run = self.execution
+        if kind in ("stdout", "stderr"):
+            message = OutputMessage.from_json("stderr" if kind == "stderr" else "stdout", body)
+            (run.stdout if kind == "stdout" else run.stderr).append(message.text)
+            return message
+        if kind == "result":
+            result = Result.from_json(body)
+            run.results.append(result)
+            return result
+        if kind == "error":
+            error = ExecutionError.from_json(body)
+            run.error = error
+            return error
+        count = body.get("execution_count")
+        run.execution_count = None if count is None else int(count)
+        context = body.get("context")
+        run.context = None if context is None else str(context)
+        self.ended = True
+        return None
 
 
 # ------------------------------------------------------------------------------ uploads

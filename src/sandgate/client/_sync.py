@@ -7,7 +7,7 @@ from __future__ import annotations
 import builtins
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -34,9 +34,25 @@ from sandgate.client._base import (
     ws_url,
 )
 from sandgate.client._sync_api import _Api
-from sandgate.client._sync_toolbox import Files, Processes, Terminal
+from sandgate.client._sync_toolbox import (
+    CodeContexts,
+    Files,
+    Processes,
+    Terminal,
+    _run_code,
+)
 from sandgate.client.errors import APIConnectionError
-from sandgate.client.models import ExecJob, ExecResult, PtyToken, SandboxInfo
+from sandgate.client.models import (
+    CodeContext,
+    ExecJob,
+    ExecResult,
+    Execution,
+    ExecutionError,
+    OutputMessage,
+    PtyToken,
+    Result,
+    SandboxInfo,
+)
 
 
 class Sandgate:
@@ -241,6 +257,11 @@ class Sandbox(SandboxInfo):
     def processes(self) -> Processes:
         return Processes(self._api, self.name)
 
+    @property
+    def contexts(self) -> CodeContexts:
+        """Its code contexts: stateful interpreters for `run_code`."""
+        return CodeContexts(self._api, self.name)
+
     def _update(self, body: dict[str, Any]) -> None:
         for key, value in SandboxInfo.fields_from_json(body).items():
             setattr(self, key, value)
@@ -288,6 +309,39 @@ class Sandbox(SandboxInfo):
             timeouts=self._api.stream_timeout(read),
         )
         return ExecResult.from_json(answer)
+
+    def run_code(
+        self,
+        code: str,
+        *,
+        context: CodeContext | str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        on_stdout: Callable[[OutputMessage], Any] | None = None,
+        on_stderr: Callable[[OutputMessage], Any] | None = None,
+        on_result: Callable[[Result], Any] | None = None,
+        on_error: Callable[[ExecutionError], Any] | None = None,
+    ) -> Execution:
+        """Run Python `code` in a stateful context (a `CodeContext` or its id; None: the
+        sandbox's default context, made on first use), as a notebook cell: what it defines is
+        kept for the next run there. `env` applies to this run only; after `timeout` seconds
+        (server default 30) the code is interrupted and the error is a `TimeoutError`.
+
+        The callbacks get each piece as it streams (stdout and stderr as `OutputMessage`s,
+        results, the error); in the asyncio client they may be coroutines. An exception the
+        code raised is `Execution.error`, not raised here. Never retried once sent."""
+        return _run_code(
+            self._api,
+            self.name,
+            code,
+            context=context,
+            env=env,
+            timeout=timeout,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+            on_result=on_result,
+            on_error=on_error,
+        )
 
     def submit_exec_job(
         self,

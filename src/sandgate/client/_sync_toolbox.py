@@ -9,7 +9,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -21,11 +21,16 @@ from websockets.sync.client import ClientConnection
 
 from sandgate.client._base import (
     CHUNK_BYTES,
+    CONTEXT_READ_TIMEOUT,
+    DEFAULT_EXEC_TIMEOUT,
+    DEFAULT_TIMEOUT,
     NO_FOLLOW_IDLE,
     NO_FOLLOW_MAX,
     STDIN_CHUNK_BYTES,
     STREAM_IDLE_TIMEOUT,
     WAIT_POLL_MAX,
+    CodeEvent,
+    ExecutionReader,
     Progress,
     Safety,
     SSEDecoder,
@@ -35,11 +40,21 @@ from sandgate.client._base import (
     event_offset,
     output_event,
     partial_path,
+    run_code_body,
     signal_name,
 )
 from sandgate.client._sync_api import _Api
 from sandgate.client.errors import APIConnectionError, SandgateError
-from sandgate.client.models import FileEntry, OutputEvent, ProcessInfo
+from sandgate.client.models import (
+    CodeContext,
+    Execution,
+    ExecutionError,
+    FileEntry,
+    OutputEvent,
+    OutputMessage,
+    ProcessInfo,
+    Result,
+)
 
 
 class Files:
@@ -397,3 +412,132 @@ class Terminal:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class CodeContexts:
+    """`/contexts`: a sandbox's code contexts, stateful interpreters (IPython kernels) that
+    `run_code(context=...)` runs in. Each lives until it is deleted or its sandbox goes."""
+
+    def __init__(self, api: _Api, sandbox: str) -> None:
+        self._api = api
+        self._path = f"/api/v1/sandboxes/{sandbox}/contexts"
+
+    def create(self, language: str = "python", cwd: str | None = None) -> CodeContext:
+        """A new context, its kernel started and answering; `cwd` defaults to /workspace.
+        Not retried once sent (a retry could start a second kernel)."""
+        body: dict[str, Any] = {"language": language}
+        if cwd is not None:
+            body["cwd"] = cwd
+        answer = self._api.json(
+            "POST",
+            self._path,
+            safety=Safety.UNSAFE,
+            json=body,
+            timeouts=self._api.stream_timeout(CONTEXT_READ_TIMEOUT),
+        )
+        return CodeContext.from_json(answer)
+
+    def list(self) -> builtins.list[CodeContext]:
+        """The sandbox's contexts, `default` among them once a `run_code` without a context
+        made it."""
+        answer = self._api.json("GET", self._path, safety=Safety.IDEMPOTENT)
+        return [CodeContext.from_json(body) for body in answer]
+
+    def delete(self, context: CodeContext | str) -> None:
+        """Shut its kernel down: its state is gone, and runs in it answer 404."""
+        self._api.request(
+            "DELETE", f"{self._path}/{_context_id(context)}", safety=Safety.IDEMPOTENT, gone_ok=True
+        )
+
+    def restart(self, context: CodeContext | str) -> CodeContext:
+        """A fresh kernel for the context: every variable and import is forgotten."""
+        answer = self._api.json(
+            "POST",
+            f"{self._path}/{_context_id(context)}/restart",
+            safety=Safety.IDEMPOTENT,
+            timeouts=self._api.stream_timeout(CONTEXT_READ_TIMEOUT),
+        )
+        return CodeContext.from_json(answer)
+
+
+def _context_id(context: CodeContext | str) -> str:
+    return context.id if isinstance(context, CodeContext) else str(context)
+
+
+def _run_code(
+    api: _Api,
+    sandbox: str,
+    code: str,
+    *,
+    context: CodeContext | str | None,
+    env: Mapping[str, str] | None,
+    timeout: float | None,
+    on_stdout: Callable[[OutputMessage], Any] | None,
+    on_stderr: Callable[[OutputMessage], Any] | None,
+    on_result: Callable[[Result], Any] | None,
+    on_error: Callable[[ExecutionError], Any] | None,
+) -> Execution:
+    """`Sandbox.run_code`: POST the code, read the server-sent events as they come, each
+    given to its callback at once. Never retried once sent (the code could run twice); a
+    callback that raises, or a broken connection, ends the stream, and the server interrupts
+    the code."""
+    base = f"/api/v1/sandboxes/{sandbox}"
+    path = f"{base}/run-code" if context is None else f"{base}/contexts/{_context_id(context)}/run"
+    waits = timeout if timeout is not None else DEFAULT_EXEC_TIMEOUT
+    read = max(waits + (api.timeout.read or DEFAULT_TIMEOUT), CONTEXT_READ_TIMEOUT)
+    response = api.request(
+        "POST",
+        path,
+        safety=Safety.UNSAFE,
+        json=run_code_body(code, env, timeout),
+        stream=True,
+        timeouts=api.stream_timeout(read),
+    )
+    reader = ExecutionReader()
+    decoder = SSEDecoder()
+    try:
+        for line in response.iter_lines():
+            event = decoder.feed(line)
+            if event is None:
+                continue
+            piece = reader.feed(event)
+            if piece is not None:
+                _notify(piece, on_stdout, on_stderr, on_result, on_error)
+    except httpx.TransportError as exc:
+        raise connection_error(exc, str(response.url)) from exc
+    finally:
+        response.close()
+    if not reader.ended:
+        raise APIConnectionError(
+            "the run's stream ended before the run did (the code may have run)",
+            code="connection_error",
+        )
+    return reader.execution
+
+
+def _notify(
+    piece: CodeEvent,
+    on_stdout: Callable[[OutputMessage], Any] | None,
+    on_stderr: Callable[[OutputMessage], Any] | None,
+    on_result: Callable[[Result], Any] | None,
+    on_error: Callable[[ExecutionError], Any] | None,
+) -> None:
+    """Give `piece` to its callback; in the asyncio client a callback may be a coroutine."""
+    handler = _handler_of(piece, on_stdout, on_stderr, on_result, on_error)
+    if handler is None:
+        return
+    handler(piece)
+
+
+def _handler_of(
+    piece: CodeEvent,
+    on_stdout: Callable[[OutputMessage], Any] | None,
+    on_stderr: Callable[[OutputMessage], Any] | None,
+    on_result: Callable[[Result], Any] | None,
+    on_error: Callable[[ExecutionError], Any] | None,
+) -> Callable[[Any], Any] | None:
+    if isinstance(piece, OutputMessage):
+        return on_stdout if piece.stream == "stdout" else on_stderr
+    if isinstance(piece, Result):
+        return on_result
+    return on_error

@@ -221,3 +221,147 @@ class PtyToken:
         expires = _time(body["expires_at"])
         assert expires is not None
         return cls(token=str(body["token"]), expires_at=expires)
+
+
+# ------------------------------------------------------------------------------ code contexts
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodeContext:
+    """A stateful interpreter (an IPython kernel) in a sandbox: its variables, imports and
+    working directory last from one `run_code` to the next, until it is restarted or deleted."""
+
+    id: str
+    language: str = "python"
+    cwd: str = "/workspace"
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> CodeContext:
+        return cls(
+            id=str(body["id"]),
+            language=str(body.get("language", "python")),
+            cwd=str(body.get("cwd", "/workspace")),
+        )
+
+
+MIME_FIELDS = {
+    "text": "text/plain",
+    "html": "text/html",
+    "markdown": "text/markdown",
+    "svg": "image/svg+xml",
+    "png": "image/png",
+    "jpeg": "image/jpeg",
+    "pdf": "application/pdf",
+    "latex": "text/latex",
+    "json": "application/json",
+    "javascript": "application/javascript",
+}
+"""`Result` field -> the MIME type it holds (png, jpeg and pdf are base64 text)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result:
+    """One output of a run: the value of its last expression (`is_main_result`) or something it
+    displayed (`display(...)`, a plot), as a MIME bundle. `png`, `jpeg` and `pdf` are base64;
+    MIME types without a field of their own are in `extra`."""
+
+    text: str | None = None
+    html: str | None = None
+    markdown: str | None = None
+    svg: str | None = None
+    png: str | None = None
+    jpeg: str | None = None
+    pdf: str | None = None
+    latex: str | None = None
+    json: Any = None
+    javascript: str | None = None
+    is_main_result: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def formats(self) -> list[str]:
+        """The MIME types it has, as `MIME_FIELDS` names them (then `extra`'s own)."""
+        present = [mime for name, mime in MIME_FIELDS.items() if getattr(self, name) is not None]
+        return present + list(self.extra)
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> Result:
+        def text(name: str) -> str | None:
+            value = body.get(name)
+            return None if value is None else str(value)
+
+        return cls(
+            text=text("text"),
+            html=text("html"),
+            markdown=text("markdown"),
+            svg=text("svg"),
+            png=text("png"),
+            jpeg=text("jpeg"),
+            pdf=text("pdf"),
+            latex=text("latex"),
+            json=body.get("json"),
+            javascript=text("javascript"),
+            is_main_result=bool(body.get("is_main_result", False)),
+            extra=dict(body.get("extra") or {}),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutionError:
+    """The exception a run raised: its class name, its message and the formatted traceback
+    (IPython's, with ANSI colours). A timeout is `TimeoutError`; a kernel that died,
+    `KernelDied` (restart the context)."""
+
+    name: str
+    value: str
+    traceback: str = ""
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> ExecutionError:
+        return cls(
+            name=str(body.get("name", "")),
+            value=str(body.get("value", "")),
+            traceback=str(body.get("traceback") or ""),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputMessage:
+    """A piece of a run's stdout or stderr, as the kernel flushed it, when it did."""
+
+    stream: Literal["stdout", "stderr"]
+    text: str
+    timestamp: datetime | None = None
+
+    @classmethod
+    def from_json(cls, stream: Literal["stdout", "stderr"], body: dict[str, Any]) -> OutputMessage:
+        stamp = body.get("timestamp")
+        try:
+            when = _time(stamp)
+        except ValueError:
+            when = None
+        return cls(stream=stream, text=str(body.get("text", "")), timestamp=when)
+
+
+@dataclass(kw_only=True)
+class Execution:
+    """What `run_code` gave: its results, its output (the pieces as they came), the exception
+    it raised if any (`error`; not raised in the client), and the context's execution count."""
+
+    results: list[Result] = field(default_factory=list)
+    stdout: list[str] = field(default_factory=list)
+    stderr: list[str] = field(default_factory=list)
+    error: ExecutionError | None = None
+    execution_count: int | None = None
+    context: str | None = None  # the id of the context it ran in
+
+    @property
+    def text(self) -> str | None:
+        """The text of the main result (the value of the last expression), if there is one."""
+        for result in self.results:
+            if result.is_main_result:
+                return result.text
+        return None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -280,6 +282,101 @@ def test_cp_shows_progress_on_a_terminal(env: dict[str, str], name: str, tmp_pat
         os.close(master)
     assert proc.returncode == 0
     assert b"big.bin" in drawn and b"21.0/21.0 MB" in drawn, drawn[-400:]
+
+
+# ------------------------------------------------------------------------------ run-code
+
+
+def test_run_code_argument_stdin_and_errors(env: dict[str, str], name: str) -> None:
+    assert ok(cli(env, "run-code", name, "x = 6")) == ""
+    assert ok(cli(env, "run-code", name, "print('out'); x * 7")) == "out\n42\n"
+    block = b"import sys\nprint('err', file=sys.stderr)\nfor i in range(2):\n    print(i + x)\n"
+    piped = cli(env, "run-code", name, stdin=block)  # no CODE, stdin not a terminal
+    assert (ok(piped), piped.stderr) == ("6\n7\n", b"err\n")
+    assert ok(cli(env, "run-code", name, "-", stdin=b"x")) == "6\n"
+    assert ok(cli(env, "run-code", name, "--context", "default", "x")) == "6\n"
+    assert ok(cli(env, "run-code", name, "-e", "ONLY=here", "import os; os.environ['ONLY']")) == (
+        "'here'\n"
+    )
+
+    failed = cli(env, "run-code", name, "print('before'); 1/0")
+    assert failed.returncode == 1 and failed.stdout == b"before\n"
+    err = failed.stderr.decode()
+    assert "ZeroDivisionError: division by zero" in err and "\x1b[" not in err  # no colours
+    late = cli(env, "run-code", name, "--timeout", "1", "import time; time.sleep(30)")
+    assert late.returncode == 1 and b"TimeoutError" in late.stderr
+    assert ok(cli(env, "run-code", name, "x")) == "6\n", "the context outlived both"
+
+    plot = "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()"
+    figure = ok(cli(env, "run-code", name, plot, timeout=120))
+    assert re.fullmatch(r"<Figure size \S+ with 1 Axes>\n\[image/png result: \d+ bytes\]\n", figure)
+
+    missing = cli(env, "run-code", name, "--context", "nope", "1")
+    assert missing.returncode == 255
+    assert one_error_line(missing) == f"error: no code context 'nope' in sandbox {name}"
+    nobox = cli(env, "run-code", "sbx-nothere", "1")
+    assert nobox.returncode == 255
+    assert one_error_line(nobox) == "error: sandbox sbx-nothere not found"
+
+
+def test_run_code_json_lines(env: dict[str, str], name: str) -> None:
+    out = ok(cli(env, "run-code", name, "--json", "print('a'); 6 * 7"))
+    events = [json.loads(line) for line in out.splitlines()]
+    assert [e["type"] for e in events] == ["stdout", "result", "end"]
+    assert events[0]["text"] == "a\n" and events[0]["timestamp"]
+    assert events[1] == {"type": "result", "text": "42", "is_main_result": True}
+    assert events[2] == {"type": "end", "execution_count": 1, "context": "default"}
+    failed = cli(env, "run-code", name, "--json", "raise ValueError('no')")
+    assert failed.returncode == 1 and failed.stderr == b""
+    error, end = (json.loads(line) for line in failed.stdout.decode().splitlines())
+    assert (error["type"], error["name"], error["value"]) == ("error", "ValueError", "no")
+    assert "ValueError" in error["traceback"] and end["execution_count"] == 2
+
+
+def test_run_code_repl_through_a_pseudo_terminal(env: dict[str, str], name: str) -> None:
+    master, slave = os.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CTTY, "run-code", name],  # the pty is its terminal: Ctrl-C works
+        env=env,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+    )
+    screen = Tty(master)
+    try:
+        screen.expect(b">>> ", timeout=60)
+        screen.type(b"y = 20\r")
+        screen.expect(b">>> ")
+        screen.type(b"for i in range(2):\r")
+        screen.expect(b"... ")
+        screen.type(b"    print(i + y)\r")
+        screen.expect(b"... ")
+        screen.type(b"\r")
+        screen.expect(b"20\r\n21\r\n")
+        screen.type(b"1/0\r")
+        screen.expect(b"ZeroDivisionError")
+        screen.expect(b">>> ")
+        screen.type(b"import time; time.sleep(60)\r")
+        time.sleep(1.5)
+        screen.type(b"\x03")  # Ctrl-C: the run's stream closes, the kernel is interrupted
+        screen.expect(b"KeyboardInterrupt")
+        screen.expect(b">>> ", timeout=30)
+        screen.type(b"y * 2\r")
+        screen.expect(b"40\r\n", timeout=30)  # interrupted, not restarted: y is still there
+        screen.expect(b">>> ")
+        time.sleep(0.2)  # readline has the terminal now
+        screen.type(b"\x04")  # Ctrl-D at the prompt ends the session
+        assert proc.wait(timeout=30) == 0, screen.seen
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+        os.close(slave)
+    # the session had a context of its own (deleted at its end), not the default one
+    outside = cli(env, "run-code", name, "y")
+    assert outside.returncode == 1 and b"NameError" in outside.stderr
 
 
 # ------------------------------------------------------------------------------ shell

@@ -29,12 +29,16 @@ from sandgate.client import (
     APIConnectionError,
     AsyncSandgate,
     AuthenticationError,
+    CodeContext,
     ConflictError,
     ExecJob,
     ExecJobTimeoutError,
+    ExecutionError,
     InvalidRequestError,
     NotFoundError,
+    OutputMessage,
     PermissionDeniedError,
+    Result,
     Sandbox,
     Sandgate,
     Terminal,
@@ -619,6 +623,75 @@ def test_503_is_retried_after_retry_after(tmp_path: Path) -> None:
         shutil.rmtree(dep.state_dir, ignore_errors=True)
 
 
+# ------------------------------------------------------------------------------ code contexts
+
+LIVE = "import time\nprint('first', flush=True)\ntime.sleep(2)\nprint('second')\nx + 1"
+
+
+def test_run_code_keeps_state_streams_and_reports_errors(box: Sandbox) -> None:
+    first = box.run_code("x = 41")
+    assert (first.results, first.error, first.execution_count) == ([], None, 1)
+    assert first.context == "default"
+    seen: list[tuple[OutputMessage, float]] = []
+    execution = box.run_code(LIVE, on_stdout=lambda m: seen.append((m, time.monotonic())))
+    returned = time.monotonic()
+    assert execution.text == "42" and execution.execution_count == 2
+    assert "".join(execution.stdout) == "first\nsecond\n" and execution.stderr == []
+    assert [m.text for m, _ in seen] == execution.stdout and seen[0][0].stream == "stdout"
+    assert seen[0][0].timestamp is not None
+    assert returned - seen[0][1] > 1.5, "the first line came as it was printed, not at the end"
+    (main,) = execution.results
+    assert main.is_main_result and main.formats() == ["text/plain"]
+
+    errors: list[ExecutionError] = []
+    failed = box.run_code("import sys; print('oops', file=sys.stderr); 1/0", on_error=errors.append)
+    assert failed.error is not None and failed.error.name == "ZeroDivisionError"
+    assert "division by zero" in failed.error.value and "ZeroDivision" in failed.error.traceback
+    assert errors == [failed.error] and failed.stderr == ["oops\n"] and not failed.ok
+    assert box.run_code("x").text == "41", "a failed run keeps the state"
+
+    shown: list[Result] = []
+    html = "from IPython.display import HTML, display\ndisplay(HTML('<b>hi</b>'))\n7"
+    both = box.run_code(html, on_result=shown.append)
+    assert [r.html for r in shown] == ["<b>hi</b>", None] and shown == both.results
+    assert both.text == "7" and not shown[0].is_main_result
+    env = box.run_code("import os; os.environ.get('ONLY')", env={"ONLY": "here"})
+    assert env.text == "'here'"
+    late = box.run_code("import time; time.sleep(30)", timeout=1)
+    assert late.error is not None and late.error.name == "TimeoutError"
+
+
+def test_code_contexts_are_isolated_restart_and_delete(box: Sandbox) -> None:
+    box.run_code("x = 'default'")
+    ctx = box.contexts.create(cwd="/tmp")
+    assert isinstance(ctx, CodeContext) and (ctx.language, ctx.cwd) == ("python", "/tmp")
+    isolated = box.run_code("x", context=ctx)
+    assert isolated.error is not None and isolated.error.name == "NameError"
+    assert isolated.context == ctx.id
+    assert box.run_code("import os; x = os.getcwd()", context=ctx.id).error is None
+    assert box.run_code("x", context=ctx).text == "'/tmp'"
+    assert box.run_code("x").text == "'default'"
+    assert {c.id for c in box.contexts.list()} == {"default", ctx.id}
+
+    assert box.contexts.restart(ctx) == ctx
+    forgot = box.run_code("x", context=ctx)
+    assert forgot.error is not None and forgot.error.name == "NameError"
+    assert box.run_code("x").text == "'default'", "only that context restarted"
+
+    box.contexts.delete(ctx)
+    wait_until(lambda: ctx.id not in {c.id for c in box.contexts.list()}, what="deleted")
+    with pytest.raises(NotFoundError):
+        box.run_code("1", context=ctx)
+    with pytest.raises(NotFoundError):
+        box.contexts.restart(ctx)
+    with pytest.raises(NotFoundError):
+        box.contexts.delete(ctx)  # (a retried delete that answers 404 counts as done)
+    with pytest.raises(InvalidRequestError):
+        box.contexts.create(language="cobol")
+    with pytest.raises(InvalidRequestError):
+        box.run_code("1", timeout=10**9)
+
+
 # ------------------------------------------------------------------------------ async
 
 
@@ -723,6 +796,47 @@ def test_async_exec_jobs(deployment: Deployment) -> None:  # noqa: F811
                 assert (await box.wait_exec_job(sleeper.id, timeout=30)).ok
                 with pytest.raises(NotFoundError):
                     await client.get_exec_job("0" * 32)
+            finally:
+                await box.delete()
+
+    asyncio.run(scenario())
+
+
+def test_async_run_code_and_contexts(deployment: Deployment) -> None:  # noqa: F811
+    async def scenario() -> None:
+        async with AsyncSandgate(deployment.url, deployment.keys["alpha"]) as client:
+            box = await client.sandboxes.create(metadata={"test": "sdk-async-code"})
+            try:
+                assert (await box.run_code("x = 41")).execution_count == 1
+                seen: list[float] = []
+                errors: list[str] = []
+
+                async def on_stdout(message: OutputMessage) -> None:  # a coroutine is awaited
+                    seen.append(time.monotonic())
+
+                execution = await box.run_code(LIVE, on_stdout=on_stdout)
+                assert execution.text == "42" and len(seen) == 2
+                assert time.monotonic() - seen[0] > 1.5, "streamed live"
+                failed = await box.run_code("1/0", on_error=lambda e: errors.append(e.name))
+                assert failed.error is not None and errors == ["ZeroDivisionError"]
+
+                ctx = await box.contexts.create()
+                missing = await box.run_code("x", context=ctx)
+                assert missing.error is not None and missing.error.name == "NameError"
+                await box.run_code("y = 2", context=ctx.id)
+                assert (await box.run_code("y * 21", context=ctx)).text == "42"
+                listed = {c.id for c in await box.contexts.list()}
+                assert listed == {"default", ctx.id}
+                await box.contexts.restart(ctx.id)
+                forgot = await box.run_code("y", context=ctx)
+                assert forgot.error is not None and forgot.error.name == "NameError"
+                await box.contexts.delete(ctx)
+                for _ in range(100):
+                    if ctx.id not in {c.id for c in await box.contexts.list()}:
+                        break
+                    await asyncio.sleep(0.05)
+                with pytest.raises(NotFoundError):
+                    await box.run_code("1", context=ctx)
             finally:
                 await box.delete()
 
