@@ -107,3 +107,21 @@ def test_bad_input(
     too_long = alpha.post(f"{base}/contexts/{ctx}/run", json={"code": "1", "timeout": 10**9})
     assert too_long.status_code == 400
     assert alpha.post(f"{base}/contexts/{ctx}/run", json={}).status_code == 422
+
+
+def test_a_client_that_goes_away_interrupts_its_run(alpha: httpx.Client, sandbox: str) -> None:
+    base = f"/api/v1/sandboxes/{sandbox}"
+    ctx = alpha.post(f"{base}/contexts", json={}).json()["id"]
+    run(alpha, f"{base}/contexts/{ctx}/run", "state = 'kept'")
+    code = "import time\nprint('looping', flush=True)\nwhile True: time.sleep(0.05)"
+    with alpha.stream(
+        "POST", f"{base}/contexts/{ctx}/run", json={"code": code, "timeout": 600}
+    ) as answer:
+        for line in answer.iter_lines():
+            if "looping" in line:
+                break  # and hang up: the run's only client is gone
+    started = time.monotonic()
+    after = run(alpha, f"{base}/contexts/{ctx}/run", "state", timeout=60)
+    # without the interrupt this run would wait behind the loop for its 600 s
+    assert time.monotonic() - started < 30
+    assert of(after, "result")[0]["text"] == "'kept'"
