@@ -22,7 +22,8 @@ class ServerSettings(_Frozen):
     # E2B-compatible surface (api/e2b): sandboxes answer at {port}-{id}.<e2b_domain> too
     e2b_domain: str | None = None
     # sandboxes
-    templates: tuple[str, ...] = ("default",)  # what `template` may name
+    # what `template` may name; the worker starts each (worker/pool.py TEMPLATES)
+    templates: tuple[str, ...] = ("default", "code-interpreter")
     default_timeout: float = 300.0  # seconds of life when a create names none
     max_timeout: float = 24 * 3600.0
     start_timeout: float = 30.0  # provision must answer within this
@@ -85,4 +86,6 @@ class WorkerSettings(_Frozen):
     heartbeat_interval: float = 10.0
     reconnect_min: float = 0.2
     reconnect_max: float = 5.0
+    # template -> warm sandboxes kept started (worker/pool.py); they count in `capacity`
+    pools: dict[str, int] = Field(default_factory=dict)
     faults: frozenset[str] = frozenset()  # test fault points (sandgate.faults)

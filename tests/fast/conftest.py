@@ -65,7 +65,9 @@ async def _client(app: Any, key: str) -> httpx.AsyncClient:
 
 
 @contextlib.asynccontextmanager
-async def fast_deployment(root: Path, *, capacity: int = 8, **settings: Any) -> AsyncIterator[Fast]:
+async def fast_deployment(
+    root: Path, *, capacity: int = 8, pools: dict[str, int] | None = None, **settings: Any
+) -> AsyncIterator[Fast]:
     db = f"sqlite:///{root / 'sandgate.db'}"
     alpha_key = await _create_key(db, "alpha")
     beta_key = await _create_key(db, "beta")
@@ -85,6 +87,7 @@ async def fast_deployment(root: Path, *, capacity: int = 8, **settings: Any) -> 
         capacity=capacity,
         runtime="process",
         state_dir=state_dir,
+        pools=pools or {},
     )
     async with app.router.lifespan_context(app):
         services: Services = app.state.services

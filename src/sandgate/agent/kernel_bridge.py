@@ -230,6 +230,8 @@ class Bridge:
                 self.manager.interrupt_kernel()
             elif op == "restart":
                 self.runs.put({"op": "restart"})
+            elif op == "env":  # a pooled sandbox handed out: its environment, for good
+                self.runs.put({"op": "env", "env": request.get("env") or {}})
         self.runs.put(None)  # stdin closed: the context is being removed
         worker.join(timeout=5)
 
@@ -239,6 +241,10 @@ class Bridge:
                 if request.get("op") == "restart":
                     self.restart()
                     self.emit("restarted")
+                elif request.get("op") == "env":
+                    env = {str(k): str(v) for k, v in dict(request["env"]).items()}
+                    os.environ.update(env)  # a restarted kernel gets it too
+                    self.silent(f"import os as _sg_os; _sg_os.environ.update({env!r})")
                 else:
                     self.run(request)
             except Exception as exc:  # never leave a run without its end

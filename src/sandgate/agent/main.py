@@ -115,12 +115,27 @@ def op_ping(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]
     return {}, b""
 
 
+def op_configure(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
+    """A pooled sandbox handed out: the create's environment, for every command from now on."""
+    env = req.get("env") or {}
+    if not isinstance(env, dict):
+        raise AgentError("invalid_request", "'env' must be an object of strings")
+    for key, value in env.items():
+        if not isinstance(key, str) or not key or "=" in key or "\x00" in key:
+            raise AgentError("invalid_request", f"invalid environment variable {key!r}")
+        if not isinstance(value, str) or "\x00" in value:
+            raise AgentError("invalid_request", f"invalid value of {key!r}")
+    st.sandbox_env.update(env)
+    return {}, b""
+
+
 # --------------------------------------------------------------------------- dispatch
 
 HANDLERS: Mapping[str, Callable[[AgentState, Header, bytes], tuple[Header, bytes]]]
 HANDLERS = MappingProxyType(
     {
         "ping": op_ping,
+        "configure": op_configure,
         "exec": execute.op_exec,
         "stat": files.op_stat,
         "list": files.op_list,

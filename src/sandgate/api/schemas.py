@@ -56,6 +56,8 @@ class CreateSandbox(_In):
     env: dict[str, str] = Field(default_factory=dict)
     network: bool = False
     resources: Resources = Field(default_factory=Resources)
+    # false: a cold start even where a worker has a warm pool of the template (benchmarks)
+    pool: bool = True
 
     @field_validator("metadata")
     @classmethod

@@ -315,6 +315,15 @@ def worker(
             "for the state dir (less 5%)",
         ),
     ] = 1.0,
+    pool: Annotated[
+        list[str] | None,
+        typer.Option(
+            envvar="SANDGATE_POOL",
+            help="TEMPLATE=N: keep N sandboxes of TEMPLATE (default, code-interpreter) "
+            "started, handed out on create in milliseconds; repeat for several. They count "
+            "in --capacity",
+        ),
+    ] = None,
     log_level: LogOpt = "INFO",
 ) -> None:
     """Run a worker: dial the control plane and host sandboxes."""
@@ -329,6 +338,17 @@ def worker(
         raise typer.BadParameter(str(exc), param_hint="SANDGATE_FAULTS") from None
     if runtime not in ("bwrap", "process"):
         raise typer.BadParameter("use bwrap or process", param_hint="--runtime")
+    from sandgate.worker import pool as pools
+
+    try:
+        warm = pools.parse_pools(pool or [])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--pool") from None
+    if pools.reserved(warm) >= capacity:
+        raise typer.BadParameter(
+            f"the pools ({pools.reserved(warm)}) must leave room in --capacity ({capacity})",
+            param_hint="--pool",
+        )
     settings = WorkerSettings(
         server_url=server,
         token=token,
@@ -340,6 +360,7 @@ def worker(
         fd_share=fd_share,
         memory_overcommit=memory_overcommit,
         disk_overcommit=disk_overcommit,
+        pools=warm,
         faults=active_faults,
     )
     with _runner() as runner:

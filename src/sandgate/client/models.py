@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from datetime import datetime
+from types import MappingProxyType
 from typing import Any, Literal
 
 
@@ -244,18 +245,20 @@ class CodeContext:
         )
 
 
-MIME_FIELDS = {
-    "text": "text/plain",
-    "html": "text/html",
-    "markdown": "text/markdown",
-    "svg": "image/svg+xml",
-    "png": "image/png",
-    "jpeg": "image/jpeg",
-    "pdf": "application/pdf",
-    "latex": "text/latex",
-    "json": "application/json",
-    "javascript": "application/javascript",
-}
+MIME_FIELDS = MappingProxyType(
+    {
+        "text": "text/plain",
+        "html": "text/html",
+        "markdown": "text/markdown",
+        "svg": "image/svg+xml",
+        "png": "image/png",
+        "jpeg": "image/jpeg",
+        "pdf": "application/pdf",
+        "latex": "text/latex",
+        "json": "application/json",
+        "javascript": "application/javascript",
+    }
+)
 """`Result` field -> the MIME type it holds (png, jpeg and pdf are base64 text)."""
 
 

@@ -60,6 +60,7 @@ class CreateRequest:
     network: bool
     resources: dict[str, Any]
     body: dict[str, Any]  # the request as the client sent it (after defaults): fingerprinted
+    pool: bool = True  # a worker may hand out a sandbox of its warm pool (worker/pool.py)
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,13 @@ class CreatePipeline:
         )
         payload = {
             "name": name,
-            "spec": {"env": request.env, "network": request.network, **request.resources},
+            "spec": {
+                "env": request.env,
+                "network": request.network,
+                **request.resources,
+                "template": request.template,
+                "pool": request.pool,
+            },
         }
         job = Job(
             id=JobId(uuid.uuid4().hex),

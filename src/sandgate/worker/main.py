@@ -26,7 +26,7 @@ from sandgate.config import WorkerSettings
 from sandgate.faults import FAULTS
 from sandgate.tunnel.client import TunnelClient
 from sandgate.tunnel.rpc import RpcChannel
-from sandgate.worker import budget
+from sandgate.worker import budget, pool
 from sandgate.worker.runtime.base import Runtime
 from sandgate.worker.service import WorkerService
 from sandgate.worker.state import WorkerLocalState
@@ -249,13 +249,19 @@ def assemble(
         state=WorkerLocalState(),
         enforces=features.get("enforces"),
         faults=settings.faults,
+        pools=settings.pools,
     )
+    # the control plane places by what is left beside the warm pools (worker/pool.py)
+    reported = dict(features)
+    if settings.pools and isinstance(features.get("enforces"), dict):
+        reported["enforces"] = pool.reported_enforces(features["enforces"], settings.pools)
+    reported["pools"] = dict(settings.pools)
 
     def hello() -> dict[str, Any]:
         return {
             "name": settings.name,
-            "capacity": settings.capacity,
-            "features": features,
+            "capacity": settings.capacity - pool.reserved(settings.pools),
+            "features": reported,
             "sandboxes": sorted(service.state.sandboxes),
             # still being destroyed: not running, not forgotten either
             "tearing_down": sorted(service.state.tearing_down),

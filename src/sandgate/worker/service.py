@@ -17,8 +17,10 @@ runs, and `tearing_down`, what is still being destroyed), `sandbox_exited` {name
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from sandgate.agent.frames import Header
@@ -33,7 +35,7 @@ from sandgate.errors import (
     StorageFullError,
     WorkerError,
 )
-from sandgate.worker import disk, metrics
+from sandgate.worker import disk, metrics, pool
 from sandgate.worker.agent_link import AgentLink
 from sandgate.worker.runtime.base import Runtime, SandboxSpec
 from sandgate.worker.state import LiveSandbox, Starting, WorkerLocalState
@@ -47,6 +49,9 @@ TEARDOWN_WAIT = 10.0  # a provision waits this long for a teardown of its name o
 SHUTDOWN_TEARDOWN_WAIT = 8.0  # a stopping worker waits this long (at most twice: see run) for
 # its teardowns, so it stops within the 20 s `sandgate up` and the tests give it
 DEFAULT_AGENT_CALL_TIMEOUT = 120.0
+POOL_CHECK = 5.0  # the pool filler looks again this often even unwoken
+POOL_RETRY = 5.0  # a pool sandbox that failed to start is tried again after this
+BOOT_CONTEXT_READY = 60.0  # a pooled code-interpreter sandbox's kernel must answer within this
 
 Notify = Callable[[str, dict[str, Any]], Awaitable[None]]
 
@@ -60,9 +65,12 @@ class WorkerService:
         state: WorkerLocalState,
         enforces: dict[str, Any] | None = None,
         faults: frozenset[str] = frozenset(),
+        pools: dict[str, int] | None = None,
     ) -> None:
         self.runtime = runtime
         self.capacity = capacity
+        # template -> warm sandboxes to keep (worker/pool.py); configuration, never changed
+        self.pools: Mapping[str, int] = MappingProxyType(dict(pools or {}))
         # the host's budget and per-sandbox maximum (worker.budget, core.placement)
         self.enforces = enforces or {}
         self.state = state
@@ -79,7 +87,12 @@ class WorkerService:
         try:
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
-                await body()
+                filler = tasks.create_task(self._fill_pools()) if self.pools else None
+                try:
+                    await body()
+                finally:
+                    if filler is not None:
+                        filler.cancel()
                 await self.destroy_all()
         finally:
             self.shutting_down = True
@@ -125,8 +138,12 @@ class WorkerService:
             if not await self._wait_for_teardowns(spec.name, deadline):
                 break  # nothing to wait for (any more): a free slot, or at capacity
         held = len(self.state.sandboxes) + len(self.state.provisioning)
-        if held + len(self.state.tearing_down) >= self.capacity:
-            raise NoCapacityError(f"worker is at its capacity of {self.capacity} sandboxes")
+        room = self.capacity - pool.reserved(self.pools)  # the pools hold the rest
+        if held + len(self.state.tearing_down) >= room:
+            raise NoCapacityError(f"worker is at its capacity of {room} sandboxes")
+        handed = await self._from_pool(spec)
+        if handed is not None:
+            return handed
         self._check_budget(spec)
         # the start runs as its own task, so a destroy can abandon it (see destroy)
         start = asyncio.get_running_loop().create_task(self._start_registered(spec))
@@ -159,6 +176,7 @@ class WorkerService:
                 *(live.running.spec for live in self.state.sandboxes.values()),
                 *(starting.spec for starting in self.state.provisioning.values()),
                 *(live.running.spec for live in self.state.tearing_down.values()),
+                *(live.running.spec for ready in self.state.pool.values() for live in ready),
             ]
             used = placement.usage(s.resources() for s in held)
             if (name := placement.short_of(need, used, budget)) is not None:
@@ -175,7 +193,8 @@ class WorkerService:
         False when there was nothing to wait for."""
         same = self.state.teardowns.get(name)
         held = len(self.state.sandboxes) + len(self.state.provisioning)
-        full = held < self.capacity <= held + len(self.state.tearing_down)
+        room = self.capacity - pool.reserved(self.pools)  # the pools hold the rest
+        full = held < room <= held + len(self.state.tearing_down)
         waiting = [same] if same is not None else list(self.state.teardowns.values())
         if (same is None and not full) or not waiting:
             return False
@@ -189,6 +208,13 @@ class WorkerService:
 
     async def _start_registered(self, spec: SandboxSpec) -> LiveSandbox:
         live = await self._start(spec)
+        if spec.template in pool.BOOT_CONTEXT:  # its kernel boots beside the first calls
+            try:
+                await self._boot_context(live, wait=False)
+            except BaseException:
+                self._forget(live)
+                await asyncio.shield(self._teardown_task(live.name))
+                raise
         self.state.sandboxes[spec.name] = live
         log.info("sandbox.started", extra={"sandbox": spec.name})
         return live
@@ -248,6 +274,9 @@ class WorkerService:
     async def destroy_all(self) -> None:
         """Destroy everything, waiting at most SHUTDOWN_TEARDOWN_WAIT: what a stuck teardown
         leaves is removed at the worker's next start (`Runtime.prepare`)."""
+        for ready in self.state.pool.values():
+            while ready:
+                self._forget(ready.pop())
         names = {*self.state.sandboxes, *self.state.provisioning, *self.state.tearing_down}
         if not names:
             return
@@ -300,6 +329,12 @@ class WorkerService:
             await live.link.serve()
         except Exception:
             log.exception("sandbox.agent_link_failed", extra={"sandbox": live.name})
+        if not live.stopping and self._unpool(live):  # a pooled one died: never handed out
+            log.warning("sandbox.pooled_died", extra={"sandbox": live.name})
+            self._forget(live)
+            self.state.pool_wanted.set()
+            await asyncio.shield(self._teardown_task(live.name))
+            return
         if live.stopping or self.state.sandboxes.get(live.name) is not live:
             return
         del self.state.sandboxes[live.name]
@@ -325,6 +360,123 @@ class WorkerService:
             )
         except Exception:
             log.warning("sandbox.exit_not_reported", extra={"sandbox": live.name})
+
+    # -- warm pools (worker/pool.py) --------------------------------------------------------
+    async def _from_pool(self, spec: SandboxSpec) -> LiveSandbox | None:
+        """A pooled sandbox for this provision, handed out under its name, or None."""
+        ready = self.state.pool.get(spec.template, [])
+        found = next((live for live in ready if pool.matches(live.running.spec, spec)), None)
+        if found is None:
+            return None
+        live = found
+        ready.remove(live)  # no await since the match: one hand-out per pooled sandbox
+        self.state.pool_wanted.set()
+        try:
+            await live.link.channel.request("configure", {"env": spec.env}, b"", wait=10.0)
+            if spec.env and spec.template in pool.BOOT_CONTEXT:
+                line = json.dumps({"op": "env", "env": spec.env}).encode() + b"\n"
+                tag = "ctx:" + pool.BOOT_CONTEXT[spec.template]
+                fields = {"tag": tag, "close": False}
+                await live.link.channel.request("proc_stdin", fields, line, wait=10.0)
+        except Exception:  # its agent failed: this one goes, the create starts its own
+            log.exception("sandbox.pool_handout_failed", extra={"sandbox": live.name})
+            self._forget(live)
+            await asyncio.shield(self._teardown_task(live.name))
+            return None
+        live.handed_as = spec.name
+        self.state.sandboxes[spec.name] = live
+        log.info(
+            "sandbox.started",
+            extra={"sandbox": spec.name, "pooled": live.running.spec.name},
+        )
+        return live
+
+    def _unpool(self, live: LiveSandbox) -> bool:
+        ready = self.state.pool.get(live.running.spec.template, [])
+        if live in ready:
+            ready.remove(live)
+            return True
+        return False
+
+    async def _fill_pools(self) -> None:
+        """Keep every pool full, as far as capacity and budget allow."""
+        while True:
+            self.state.pool_wanted.clear()
+            for template, size in self.pools.items():
+                while (
+                    len(self.state.pool.get(template, []))
+                    + self.state.pool_starting.get(template, 0)
+                    < size
+                    and self._room_for_pool()
+                ):
+                    self.state.pool_starting[template] = (
+                        self.state.pool_starting.get(template, 0) + 1
+                    )
+                    assert self._tasks is not None
+                    self._tasks.create_task(self._start_pooled(template))
+            try:
+                await asyncio.wait_for(self.state.pool_wanted.wait(), POOL_CHECK)
+            except TimeoutError:
+                pass
+
+    def _room_for_pool(self) -> bool:
+        pooled = sum(len(ready) for ready in self.state.pool.values())
+        starting = sum(self.state.pool_starting.values())
+        held = len(self.state.sandboxes) + len(self.state.provisioning)
+        if held + len(self.state.tearing_down) + pooled + starting >= self.capacity:
+            return False
+        try:
+            self._check_budget(pool.pooled_spec("default"))
+        except (NoCapacityError, ResourceCapError):
+            return False
+        return True
+
+    async def _start_pooled(self, template: str) -> None:
+        spec = pool.pooled_spec(template)
+        try:
+            live = await self._start(spec)
+            try:
+                if template in pool.BOOT_CONTEXT:
+                    await self._boot_context(live, wait=True)
+            except BaseException:
+                self._forget(live)
+                await asyncio.shield(self._teardown_task(live.name))
+                raise
+            if self.shutting_down or live.stopping:
+                return
+            self.state.pool.setdefault(template, []).append(live)
+            log.info("sandbox.pooled", extra={"sandbox": spec.name, "template": template})
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("sandbox.pool_start_failed", extra={"template": template})
+            await asyncio.sleep(POOL_RETRY)
+        finally:
+            self.state.pool_starting[template] -= 1
+            self.state.pool_wanted.set()
+
+    async def _boot_context(self, live: LiveSandbox, *, wait: bool) -> None:
+        """Start the template's default code context (its kernel); with `wait`, until the
+        kernel answers."""
+        context = pool.BOOT_CONTEXT[live.running.spec.template]
+        fields: dict[str, Any] = {
+            "program": "kernel_bridge",
+            "argv": ["--context", context, "--cwd", "/workspace"],
+            "cwd": "/workspace",
+            "tag": f"ctx:{context}",
+        }
+        reply, _ = await live.link.channel.request("proc_start", fields, b"", wait=10.0)
+        if not wait:
+            return
+        pid, offset, seen = reply["pid"], 0, b""
+        async with asyncio.timeout(BOOT_CONTEXT_READY):
+            while b'"type":"ready"' not in seen:
+                read: dict[str, Any] = {"pid": pid, "offset": offset, "wait": 10.0}
+                page, data = await live.link.channel.request("proc_read", read, b"", wait=15.0)
+                if page.get("exited"):
+                    raise WorkerError(f"the kernel of {live.name} exited while starting")
+                seen = (seen + data)[-4096:]
+                offset = int(page.get("next_offset", offset))
 
     async def _relay(self, header: Header, payload: bytes) -> tuple[Header, bytes]:
         live = self._running(str(header.get("sandbox", "")))
@@ -390,6 +542,8 @@ def _spec(header: Header) -> SandboxSpec:
             cpus=float(spec.get("cpus", 1.0)),
             pids=int(spec.get("pids", 256)),
             disk_mb=int(spec.get("disk_mb", 1024)),
+            template=str(spec.get("template", "default")),
+            pool=bool(spec.get("pool", True)),
         )
     except (TypeError, ValueError, AttributeError) as exc:
         raise InvalidRequestError(f"bad provision spec: {exc}") from None

@@ -28,10 +28,11 @@ class LiveSandbox:
     link: AgentLink
     started_at: float = field(default_factory=time.time)
     stopping: bool = False
+    handed_as: str | None = None  # a pooled sandbox: the create's name it was handed out as
 
     @property
     def name(self) -> str:
-        return self.running.spec.name
+        return self.handed_as or self.running.spec.name
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "pid": self.link.ready_info.get("pid")}
@@ -61,6 +62,12 @@ class WorkerLocalState:
     # sandbox name -> its CPU time at the last `metrics` call, so the next one measures the
     # CPU used since (worker/metrics.py); dropped when the sandbox stops running.
     cpu_samples: dict[str, CpuSample] = field(default_factory=dict)
+    # template -> its warm pool: started sandboxes no create has been handed yet (worker/pool.py)
+    pool: dict[str, list[LiveSandbox]] = field(default_factory=dict)
+    # template -> pool sandboxes being started now
+    pool_starting: dict[str, int] = field(default_factory=dict)
+    # set when a pool is short (a hand-out, a pooled sandbox that died): the filler wakes
+    pool_wanted: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 WORKER_STATE: Mapping[str, StateRow] = MappingProxyType(
@@ -85,6 +92,23 @@ WORKER_STATE: Mapping[str, StateRow] = MappingProxyType(
             "the task tearing each of those sandboxes down",
             "one per sandbox being destroyed",
             "per-process by nature; awaited by the worker's shutdown",
+        ),
+        "WorkerLocalState.pool": StateRow(
+            "warm pools: started sandboxes per template that no create has been handed yet",
+            "the --pool sizes; they count in the worker's capacity and budget, which it reports "
+            "less the pools' share",
+            "per-process by nature: a hand-out is this worker's; the control plane places by "
+            "the reported capacity, counted exactly in the store",
+        ),
+        "WorkerLocalState.pool_starting": StateRow(
+            "how many pool sandboxes of each template are starting",
+            "the --pool sizes",
+            "per-process by nature",
+        ),
+        "WorkerLocalState.pool_wanted": StateRow(
+            "wakes the pool filler when a pool is short",
+            "one event",
+            "per-process by nature",
         ),
         "WorkerLocalState.cpu_samples": StateRow(
             "each running sandbox's CPU time at its last metrics call",

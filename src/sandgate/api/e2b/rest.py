@@ -32,9 +32,9 @@ from sandgate.store.base import Sandbox, SandboxFilter, SandboxName, SandboxStat
 
 ENVD_VERSION = "0.6.4"  # the envd features the SDK may use (e2b/envd/versions.py) are served
 # E2B's default template is sandgate's default
-# the code interpreter SDK's default is the default template too: its kernel is the
-# sandbox's own Python (the host root, with Debian's python3-ipykernel: docs/e2b.md)
-TEMPLATE_ALIASES = MappingProxyType({"base": "default", "code-interpreter-v1": "default"})
+# E2B's code interpreter SDK asks for code-interpreter-v1: sandgate's code-interpreter template
+# (the host root, its default context's kernel started at boot: worker/pool.py)
+TEMPLATE_ALIASES = MappingProxyType({"base": "default", "code-interpreter-v1": "code-interpreter"})
 LIVE: tuple[SandboxState, ...] = ("pending", "running")
 MAX_PAGE = 1000
 

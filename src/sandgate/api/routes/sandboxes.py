@@ -72,6 +72,7 @@ def create_request(body: CreateSandbox, settings: ServerSettings) -> CreateReque
         resources=resources,
         # fingerprinted with what it gets: a retry naming the defaults is the same request
         body=body.model_dump(mode="json") | {"timeout": timeout, "resources": resources},
+        pool=body.pool,
     )
 
 

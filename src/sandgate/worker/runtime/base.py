@@ -22,6 +22,8 @@ class SandboxSpec:
     cpus: float = 1.0
     pids: int = 256
     disk_mb: int = 1024  # quota of /workspace and /tmp together
+    template: str = "default"  # what it starts as (worker/pool.py TEMPLATES)
+    pool: bool = True  # a provision may hand out a pooled sandbox for it (worker/pool.py)
 
     def resources(self) -> dict[str, int | float]:
         return {
