@@ -235,7 +235,11 @@ def code_interpreter(
             finally:
                 sbx.kill()
             colds.append(elapsed)
-    sbx = Sandbox.create(api_key=key, api_url=url, sandbox_url=url)
+    # a cold one (its cgroups are named after it, where a pooled one's are the pool's)
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
+        body = {"template": "code-interpreter", "pool": False}
+        name = c.post("/api/v1/sandboxes", json=body).json()["name"]
+    sbx = Sandbox.connect(name, api_key=key, api_url=url, sandbox_url=url)
     try:
         warm = []
         for i in range(n + 20):
