@@ -442,7 +442,11 @@ class WorkerService:
                 self._forget(live)
                 await asyncio.shield(self._teardown_task(live.name))
                 raise
-            if self.shutting_down or live.stopping:
+            if live.stopping:
+                return  # died while its kernel started: _watch tore it down
+            if self.shutting_down:  # too late for the pool: torn down with the rest
+                self._forget(live)
+                await asyncio.shield(self._teardown_task(live.name))
                 return
             self.state.pool.setdefault(template, []).append(live)
             log.info("sandbox.pooled", extra={"sandbox": spec.name, "template": template})

@@ -8,44 +8,18 @@ The scenario is tests/js/code_interpreter_scenario.mjs, run under Node with
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-from pathlib import Path
-
-import pytest
-
 from tests.integration.api.conftest import Deployment
-
-JS = Path(__file__).resolve().parents[2] / "js"
+from tests.js_scenarios import run_scenario
 
 
 def test_e2b_js_code_interpreter_scenario(deployment: Deployment) -> None:
-    node = shutil.which("node")
-    if node is None:
-        pytest.fail("node is not installed: the E2B JavaScript SDK test needs Node.js 20+")
-    if not (JS / "node_modules" / "@e2b" / "code-interpreter").is_dir():
-        pytest.fail(f"{JS / 'node_modules'} is missing: run `scripts/install --dev`")
-    env = {
-        **os.environ,
-        "SANDGATE_URL": deployment.url,
-        "SANDGATE_KEY": deployment.keys["alpha"],
-    }
-    for name in ("E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL", "E2B_DOMAIN", "E2B_DEBUG"):
-        env.pop(name, None)
-    ran = subprocess.run(
-        [node, str(JS / "code_interpreter_scenario.mjs")],
-        capture_output=True,
-        text=True,
-        env=env,
+    result = run_scenario(
+        "code_interpreter_scenario.mjs",
+        url=deployment.url,
+        key=deployment.keys["alpha"],
+        package="@e2b/code-interpreter",
         timeout=180,
-        cwd=JS,
     )
-    lines = ran.stdout.strip().splitlines()
-    assert ran.returncode == 0 and lines, f"rc {ran.returncode}\n{ran.stdout}\n{ran.stderr}"
-    result = json.loads(lines[-1])
-    assert result["ok"] is True, result
     assert result["state"] == "2"
     assert result["logs"] == {"stdout": ["to out\n"], "stderr": ["to err\n"]}
     assert result["executionError"] == "ZeroDivisionError"
