@@ -61,13 +61,20 @@ async def _retries(
 
         async def one(client: httpx.AsyncClient, key: str) -> None:
             for _ in range(20):  # a retrying client: 503 means "retry with the same key"
-                response = await client.post(
-                    path,
-                    json=body | {"command": body["command"].format(key=key)}
-                    if "command" in body
-                    else body,
-                    headers={"Idempotency-Key": key},
-                )
+                try:
+                    response = await client.post(
+                        path,
+                        json=body | {"command": body["command"].format(key=key)}
+                        if "command" in body
+                        else body,
+                        headers={"Idempotency-Key": key},
+                    )
+                except (httpx.ReadError, httpx.RemoteProtocolError):
+                    # a kept-alive connection the server closed as it was reused (uvicorn's
+                    # idle timeout racing the next request): a retrying client sends again,
+                    # with the same key, which is what the key is for
+                    await asyncio.sleep(0.5)
+                    continue
                 if response.status_code != 503:
                     results[key].append((response.status_code, response.json()))
                     return
