@@ -177,10 +177,9 @@ class ContextService:
 
     async def restart(self, tenant: TenantId, name: str, context_id: str) -> Context:
         context = await self.get(tenant, name, context_id)
-        offset = await self._output_end(tenant, name, context.pid)
         await self._send(tenant, name, context.pid, {"op": "restart"})
         async with asyncio.timeout(READY_SECONDS):
-            async for event in self._events(tenant, name, context.pid, offset):
+            async for event in self._events(tenant, name, context.pid, context.output_end):
                 if event.get("type") == "restarted":
                     return context
         raise ConflictError(f"context {context_id} ended while restarting")
@@ -232,12 +231,6 @@ class ContextService:
             if not finished:  # the client left, or the call failed: stop the code
                 with contextlib.suppress(SandgateError):
                     await asyncio.shield(self._send(tenant, name, pid, {"op": "interrupt"}))
-
-    async def _output_end(self, tenant: TenantId, name: str, pid: int) -> int:
-        for process in await self.toolbox.processes(tenant, name):
-            if process.pid == pid:
-                return process.output_end
-        raise NotFoundError(f"the context's process {pid} is gone")
 
     async def _send(self, tenant: TenantId, name: str, pid: int, request: dict[str, Any]) -> None:
         line = json.dumps(request, separators=(",", ":")) + "\n"

@@ -270,17 +270,10 @@ class Toolbox:
         env: Mapping[str, str],
         time_limit: float | None,
         stdin: bool = True,
-        tag: str | None = None,
     ) -> int:
         """`command`: a shell command line, or a program and its arguments (run as given).
-        `stdin=False`: the process reads end-of-file at once. `tag`: unique among the
-        sandbox's running processes (a second start with it is `409 exists`)."""
-        fields: dict[str, Any] = {"cwd": cwd, "env": dict(env), "timeout": time_limit}
-        fields |= {"command": command} if isinstance(command, str) else {"argv": list(command)}
-        if not stdin:
-            fields["stdin"] = False
-        if tag is not None:
-            fields["tag"] = tag
+        `stdin=False`: the process reads end-of-file at once."""
+        fields = _start_fields(command, cwd=cwd, env=env, time_limit=time_limit, stdin=stdin)
         raw, _ = await self._call(tenant, name, "proc_start", fields)
         return parse(PidReply, raw).pid
 
@@ -317,10 +310,8 @@ class Toolbox:
         within `wait` seconds, and if it printed, its exit within `linger` more. A short
         command is then one round trip to its sandbox; follow a longer one with
         `process_output` from the page's `next_offset`."""
-        fields: dict[str, Any] = {"cwd": cwd, "env": dict(env), "timeout": time_limit}
-        fields |= {"argv": list(argv), "wait": wait, "linger": linger}
-        if not stdin:
-            fields["stdin"] = False
+        fields = _start_fields(argv, cwd=cwd, env=env, time_limit=time_limit, stdin=stdin)
+        fields |= {"wait": wait, "linger": linger}
         raw, payload = await self._call(
             tenant, name, "proc_start", fields, seconds=wait + linger + RELAY_GRACE
         )
@@ -478,6 +469,22 @@ class Toolbox:
             disk_used=reply.disk_used,
             disk_total=reply.disk_total,
         )
+
+
+def _start_fields(
+    command: str | Sequence[str],
+    *,
+    cwd: str | None,
+    env: Mapping[str, str],
+    time_limit: float | None,
+    stdin: bool,
+) -> dict[str, Any]:
+    """A `proc_start`'s fields: a shell command line or a program and its arguments."""
+    fields: dict[str, Any] = {"cwd": cwd, "env": dict(env), "timeout": time_limit}
+    fields |= {"command": command} if isinstance(command, str) else {"argv": list(command)}
+    if not stdin:
+        fields["stdin"] = False
+    return fields
 
 
 def _page(reply: OutputReply, payload: bytes) -> OutputPage:

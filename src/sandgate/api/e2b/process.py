@@ -171,10 +171,9 @@ class ProcessService(OnToolbox, process_connect.Process):
             process = await self.toolbox.process(who.tenant, who.sandbox, pid)
             if process.state != "running":
                 raise ConnectError(Code.NOT_FOUND, f"process {pid} is not running")
-            # only what comes from now on: the end of the output so far
-            page = await self._read(who, pid, process.terminal, 0, 0.0)
         yield pb.ConnectResponse(event=_started(pid))
-        follow = self._follow(who, pid, process.terminal, page.next_offset, _deadline(ctx), ctx)
+        # only what comes from now on: from where its output stood when it was listed
+        follow = self._follow(who, pid, process.terminal, process.output_end, _deadline(ctx), ctx)
         async for event in follow:
             yield pb.ConnectResponse(event=event)
 
