@@ -24,6 +24,7 @@ from sandgate.api.routes import (
     pty,
     sandboxes,
     system,
+    templates,
 )
 from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission
@@ -36,6 +37,7 @@ from sandgate.control.recovery import TIMEOUTS_KEPT, Recovery
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.state import ServerLocalState
 from sandgate.control.supervisor import Loop, Supervisor
+from sandgate.control.templates import TemplateService
 from sandgate.control.toolbox import Toolbox
 from sandgate.control.workers import WorkerRegistry
 from sandgate.errors import TunnelUnavailableError
@@ -80,6 +82,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             jobs,
             gate,
             ContextService(toolbox),
+            TemplateService(store, settings),
         )
         try:
             # this instance holds no tunnel yet: records naming it are from before a crash or
@@ -141,12 +144,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(processes.router)
     app.include_router(pty.router)
     app.include_router(contexts.router)
+    app.include_router(templates.router)
     app.include_router(system.router)
     app.include_router(internal.router)
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_json_bytes,
-        streaming_suffixes=("/toolbox/files", "/stdin"),
+        streaming_suffixes=("/toolbox/files", "/stdin", "/api/v1/templates"),
         idle_timeout=settings.body_idle_timeout,
     )
     app.add_middleware(

@@ -20,6 +20,7 @@ from sandgate.control.create import CreatePipeline
 from sandgate.control.exec_jobs import ExecJobService
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.state import ServerLocalState
+from sandgate.control.templates import TemplateService
 from sandgate.control.toolbox import Toolbox
 from sandgate.control.workers import WorkerRegistry
 from sandgate.core.credentials import key_hash
@@ -39,6 +40,7 @@ class Services:
     exec_jobs: ExecJobService
     admission: Admission
     contexts: ContextService  # code contexts (kernels) inside sandboxes
+    templates: TemplateService  # what a create may start from; image imports
 
 
 def services(request: Request) -> Services:

@@ -73,6 +73,20 @@ class CreateSandbox(_In):
         return _check_env(value)
 
 
+class TemplateOut(BaseModel):
+    name: str
+    public: bool  # every tenant may start from it (made with an admin key)
+    digest: str  # content address of its layers and config
+    source: str  # oci, docker or rootfs
+    size: int  # bytes of its layers as stored
+    layers: int
+    env: dict[str, str]
+    workdir: str
+    user: str
+    cmd: list[str]
+    created_at: datetime
+
+
 class SandboxOut(BaseModel):
     name: str
     state: str

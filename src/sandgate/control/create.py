@@ -61,6 +61,7 @@ class CreateRequest:
     resources: dict[str, Any]
     body: dict[str, Any]  # the request as the client sent it (after defaults): fingerprinted
     pool: bool = True  # a worker may hand out a sandbox of its warm pool (worker/pool.py)
+    image: dict[str, Any] | None = None  # a template's image (control/templates.py); None: built-in
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,9 @@ class CreatePipeline:
         # that is not used at once is dropped; the worker's row lock in the insert makes any
         # pick safe anyway.
         early: asyncio.Future[Placement] | None = asyncio.ensure_future(
-            self.workers.pick(network=request.network, need=request.resources)
+            self.workers.pick(
+                network=request.network, need=request.resources, image=request.image is not None
+            )
         )
         picked_at = asyncio.get_running_loop().time()
 
@@ -208,7 +211,9 @@ class CreatePipeline:
                 if ahead is not None:  # picked too long ago (this create queued): pick again
                     ahead.cancel()
                     await asyncio.gather(ahead, return_exceptions=True)
-                placement = await self.workers.pick(network=request.network, need=request.resources)
+                placement = await self.workers.pick(
+                    network=request.network, need=request.resources, image=request.image is not None
+                )
             return await self._accept(tenant, request, claim, name, placement)
 
         # A keyed create goes on when its client leaves the queue: the client's retry (same
@@ -270,6 +275,7 @@ class CreatePipeline:
                 **request.resources,
                 "template": request.template,
                 "pool": request.pool,
+                **({"image": request.image} if request.image is not None else {}),
             },
         }
         job = Job(

@@ -36,6 +36,20 @@ log = logging.getLogger(__name__)
 WAKE_BATCH = 20  # waiting creates delivered at once when their worker re-attaches
 
 
+LAYER_FETCH_RATE = 20 << 20  # bytes/s a worker is given to fetch a template's layers it lacks
+
+
+def fetch_allowance(request: dict[str, object]) -> float:
+    """Seconds added to the start timeout of a template sandbox: its worker may have to
+    fetch and unpack the image's layers first (at most once per worker)."""
+    spec = request.get("spec")
+    image = spec.get("image") if isinstance(spec, dict) else None
+    if not isinstance(image, dict):
+        return 0.0
+    size = sum(int(x.get("size", 0)) for x in image.get("layers") or [] if isinstance(x, dict))
+    return size / LAYER_FETCH_RATE
+
+
 class Delivery:
     def __init__(
         self,
@@ -162,10 +176,9 @@ class Delivery:
         session = self.workers.local(sandbox.worker)
         if session is None:
             raise TunnelUnavailableError("sandbox tunnel not available", retry_after=2.0)
+        wait = self.settings.start_timeout + fetch_allowance(job.request)
         try:
-            await self.workers.call(
-                session, "provision", job.request, wait=self.settings.start_timeout
-            )
+            await self.workers.call(session, "provision", job.request, wait=wait)
         except TunnelUnavailableError:
             raise  # the link dropped or went silent: the job stays pending, not a timeout
         except BaseException as exc:
@@ -182,7 +195,7 @@ class Delivery:
             if isinstance(exc, SandboxTimeoutError):
                 raise SandboxTimeoutError(
                     f"sandbox {sandbox.name} was not ready within the start timeout "
-                    f"({self.settings.start_timeout:g} s): {reason}; retry later"
+                    f"({wait:g} s): {reason}; retry later"
                 ) from exc
             if isinstance(exc, InvalidRequestError):
                 raise

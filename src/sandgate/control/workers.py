@@ -22,6 +22,7 @@ from sandgate.errors import (
     AuthError,
     NetworkUnavailableError,
     NoCapacityError,
+    NotSupportedError,
     ResourceCapError,
     SandgateError,
     TunnelUnavailableError,
@@ -326,19 +327,28 @@ class WorkerRegistry:
         return self.local(worker) is not None or await self.owner(worker) is not None
 
     async def pick(
-        self, *, network: bool = False, need: Mapping[str, Any] | None = None
+        self,
+        *,
+        network: bool = False,
+        need: Mapping[str, Any] | None = None,
+        image: bool = False,
     ) -> Placement:
         """The connected worker (through any instance) with the most free slots (then the
-        most room left in its budget) that can hold a sandbox granted `need`."""
+        most room left in its budget) that can hold a sandbox granted `need` (with `image`:
+        one whose runtime starts a template's own root file system)."""
         need = need or {}
         best: tuple[tuple[int, float], Placement] | None = None
         offered = False
         connected = 0
         smaller: list[tuple[str, float]] = []  # workers that can never hold one this large
+        imageless = 0
         for worker in await self.store.list_workers():
             if not await self.is_connected(worker.name):
                 continue
             connected += 1
+            if image and not worker.features.get("images"):
+                imageless += 1
+                continue
             if network and worker.features.get("network") not in ("host-optional", "host"):
                 continue
             most = placement.sandbox_max_of(worker.features.get("enforces"))
@@ -364,6 +374,11 @@ class WorkerRegistry:
                 value=largest,
             )
         if best is None:
+            if image and connected and imageless == connected:
+                raise NotSupportedError(
+                    "no connected worker can start a template's own root file system (that "
+                    "takes the bwrap runtime on Linux >= 5.12); use a built-in template"
+                )
             if network and connected and not offered:
                 raise NetworkUnavailableError(
                     "no connected worker offers network access; start a worker with "

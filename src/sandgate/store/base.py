@@ -25,6 +25,20 @@ JobState = Literal["pending", "completed", "failed"]
 ExecJobState = Literal["queued", "running", "succeeded", "failed"]
 
 
+PUBLIC_OWNER = "*"  # the owner of a template every tenant may start from
+
+
+@dataclass(frozen=True)
+class TemplateRecord:
+    owner: str  # a tenant id, or PUBLIC_OWNER
+    name: str
+    digest: str  # content address of its image: layers and config (control/templates.py)
+    source: str  # "oci", "rootfs" or "build"
+    image: dict[str, Any]  # layers [{digest, size, media}], env, workdir, user, cmd
+    size: int  # bytes of its layers' blobs
+    created_at: datetime
+
+
 @dataclass(frozen=True)
 class Tenant:
     id: TenantId
@@ -359,6 +373,17 @@ class Store(Protocol):
     # read-only, gone) fails it with the driver's cause: this instance's heartbeat moved to
     # `now` (it answers, so it is alive), never back
     async def probe_write(self, node_url: str, now: datetime) -> None: ...
+    # templates and their layers' blobs (store/sql/templates.py)
+    async def blob_complete(self, digest: str) -> bool: ...
+    async def begin_blob(self, digest: str, size: int) -> None: ...
+    async def write_blob_chunk(self, digest: str, seq: int, data: bytes) -> None: ...
+    async def complete_blob(self, digest: str) -> None: ...
+    async def read_blob(self, digest: str, offset: int, length: int) -> bytes | None: ...
+    async def put_template(self, record: TemplateRecord) -> None: ...
+    async def get_template(self, owner: str, name: str) -> TemplateRecord | None: ...
+    async def list_templates(self, owners: list[str]) -> list[TemplateRecord]: ...
+    async def delete_template(self, owner: str, name: str) -> bool: ...
+    async def sweep_blobs(self, now: datetime) -> int: ...
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Final
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     Column,
     DateTime,
@@ -24,6 +25,7 @@ from sqlalchemy import (
     ForeignKeyConstraint,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
     Table,
@@ -305,12 +307,49 @@ scheduling_timeouts = Table(
     sqlite_autoincrement=True,
 )
 
+# Templates: named root file systems, one row per (owner, name); owner is a tenant id or
+# PUBLIC_OWNER. `image` holds the layers (digests, sizes, media types, bottom first) and the
+# image config; the layers' bytes are content-addressed blobs, each stored once in chunks.
+templates = Table(
+    "templates",
+    metadata,
+    Column("owner", Text, nullable=False),
+    Column("name", Text, nullable=False),
+    Column("digest", Text, nullable=False),
+    Column("source", Text, nullable=False),
+    Column("image", JSON, nullable=False),
+    Column("size", BigInteger, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    PrimaryKeyConstraint("owner", "name", name="pk_templates"),
+)
+
+blobs = Table(
+    "blobs",
+    metadata,
+    Column("digest", Text, nullable=False),
+    Column("size", BigInteger, nullable=False),
+    Column("complete", Boolean, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    PrimaryKeyConstraint("digest", name="pk_blobs"),
+)
+
+blob_chunks = Table(
+    "blob_chunks",
+    metadata,
+    Column("digest", Text, nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("data", LargeBinary, nullable=False),
+    PrimaryKeyConstraint("digest", "seq", name="pk_blob_chunks"),
+)
+
 __all__ = (
     "NAMING_CONVENTION",
     "UTCDateTime",
     "admission_locks",
     "admission_tickets",
     "api_keys",
+    "blob_chunks",
+    "blobs",
     "breakers",
     "exec_jobs",
     "idempotency_keys",
@@ -320,6 +359,7 @@ __all__ = (
     "rate_buckets",
     "sandboxes",
     "scheduling_timeouts",
+    "templates",
     "tenant_limits",
     "tenants",
     "tunnel_owners",

@@ -19,7 +19,7 @@ from uvicorn.protocols.utils import ClientDisconnected
 
 from sandgate.agent.frames import FrameError, Header, decode, encode
 from sandgate.errors import AuthError
-from sandgate.tunnel.rpc import LinkClosedError, RpcChannel
+from sandgate.tunnel.rpc import Handler, LinkClosedError, RpcChannel
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +86,15 @@ class ServerLink(Protocol):
 
 
 async def serve_tunnel(
-    ws: ServerLink, events: TunnelEvents, *, token_hash: str, hello_timeout: float = 10.0
+    ws: ServerLink,
+    events: TunnelEvents,
+    *,
+    token_hash: str,
+    hello_timeout: float = 10.0,
+    handler: Handler | None = None,
 ) -> None:
-    """Run one worker's tunnel until it closes. The caller has authenticated the token."""
+    """Run one worker's tunnel until it closes. The caller has authenticated the token.
+    `handler` answers the worker's own requests (its `blob` fetches)."""
     await ws.accept()
     channel: RpcChannel | None = None
 
@@ -119,7 +125,7 @@ async def serve_tunnel(
     async def on_event(header: Header, payload: bytes) -> None:
         await events.event(session, header)  # bound below, before any frame is served
 
-    channel = RpcChannel(send, on_event=on_event, name=f"tunnel {name}")
+    channel = RpcChannel(send, handler=handler, on_event=on_event, name=f"tunnel {name}")
 
     async def disconnect(code: int) -> None:
         await _close(ws, code)  # 4409 replaced by a newer tunnel, 4408 went silent

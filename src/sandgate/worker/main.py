@@ -251,6 +251,8 @@ def assemble(
         faults=settings.faults,
         pools=settings.pools,
     )
+    if service.layers is not None:
+        service.layers.prepare()
     # the control plane places by what is left beside the warm pools (worker/pool.py)
     reported = dict(features)
     if settings.pools and isinstance(features.get("enforces"), dict):
@@ -275,12 +277,18 @@ def assemble(
     def on_channel(channel: RpcChannel | None) -> None:
         if channel is None:
             service.notify = None
+            service.fetch_chunk = None
             return
 
         async def notify(event: str, fields: dict[str, Any]) -> None:
             await channel.event(event, **fields)
 
+        async def fetch_chunk(digest: str, offset: int) -> bytes:
+            _, chunk = await channel.request("blob", {"digest": digest, "offset": offset})
+            return chunk
+
         service.notify = notify
+        service.fetch_chunk = fetch_chunk
 
     client = TunnelClient(
         settings.server_url,

@@ -10,6 +10,9 @@ Tunnel operations (server → worker):
 | `agent` | `sandbox`, `call` {op, ...}, payload | the agent's answer, relayed |
 | `metrics` | `name` | `timestamp`, `cpu_count`, `cpu_used_pct`, `mem_*`, `disk_*` (`metrics`) |
 
+Requests (worker → server): `blob` {digest, offset} → up to `BLOB_CHUNK` bytes of an image
+layer from offset, empty past its end (`images.LayerCache` fetches the layers it lacks).
+
 Events (worker → server): `hello` on connect and `heartbeat` (both carry `sandboxes`, what
 runs, and `tearing_down`, what is still being destroyed), `sandbox_exited` {name, reason}.
 """
@@ -30,6 +33,7 @@ from sandgate.errors import (
     DiskQuotaExceededError,
     InvalidRequestError,
     NoCapacityError,
+    NotSupportedError,
     ResourceCapError,
     SandboxTimeoutError,
     StorageFullError,
@@ -37,7 +41,8 @@ from sandgate.errors import (
 )
 from sandgate.worker import disk, metrics, pool
 from sandgate.worker.agent_link import AgentLink
-from sandgate.worker.runtime.base import Runtime, SandboxSpec
+from sandgate.worker.images import FetchChunk, LayerCache
+from sandgate.worker.runtime.base import ImageSpec, LayerRef, Runtime, SandboxSpec
 from sandgate.worker.state import LiveSandbox, Starting, WorkerLocalState
 
 log = logging.getLogger(__name__)
@@ -76,6 +81,9 @@ class WorkerService:
         self.state = state
         self.faults = faults
         self.notify: Notify | None = None  # set while a tunnel is up
+        self.fetch_chunk: FetchChunk | None = None  # likewise: reads image layers (`blob`)
+        store = getattr(runtime, "layer_store", None)
+        self.layers = None if store is None else LayerCache(store, state.layer_fetches)
         self.shutting_down = False  # run() is destroying everything on its way out
         self._tasks: asyncio.TaskGroup | None = None
 
@@ -291,6 +299,13 @@ class WorkerService:
         if "hang-start" in self.faults:
             log.critical("fault.hang_start", extra={"sandbox": spec.name})
             await asyncio.Event().wait()  # never ready; cancelled when the worker stops
+        if spec.image is not None:
+            if self.layers is None:
+                raise NotSupportedError(
+                    f"this worker's {self.runtime.name} runtime cannot start a template's own "
+                    "root file system; run the worker with the bwrap runtime"
+                )
+            await self.layers.ensure(spec.image.layers, self.fetch_chunk)
         running = await self.runtime.start(spec)
         live = LiveSandbox(running, AgentLink(spec.name, running.process))
         try:
@@ -548,9 +563,28 @@ def _spec(header: Header) -> SandboxSpec:
             disk_mb=int(spec.get("disk_mb", 1024)),
             template=str(spec.get("template", "default")),
             pool=bool(spec.get("pool", True)),
+            image=_image(spec.get("image")),
         )
-    except (TypeError, ValueError, AttributeError) as exc:
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:
         raise InvalidRequestError(f"bad provision spec: {exc}") from None
+
+
+def _image(raw: Any) -> ImageSpec | None:
+    """A provision's `image` (control/templates.py `image_spec`), or None for a built-in."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise TypeError("image must be an object")
+    return ImageSpec(
+        digest=str(raw["digest"]),
+        layers=tuple(
+            LayerRef(digest=str(x["digest"]), size=int(x["size"]), media=str(x.get("media", "tar")))
+            for x in raw.get("layers") or []
+        ),
+        env=tuple((str(k), str(v)) for k, v in (raw.get("env") or {}).items()),
+        workdir=str(raw.get("workdir") or ""),
+        user=str(raw.get("user") or ""),
+    )
 
 
 async def _outcome(name: str, start: asyncio.Future[LiveSandbox]) -> LiveSandbox:

@@ -68,6 +68,9 @@ class WorkerLocalState:
     pool_starting: dict[str, int] = field(default_factory=dict)
     # set when a pool is short (a hand-out, a pooled sandbox that died): the filler wakes
     pool_wanted: asyncio.Event = field(default_factory=asyncio.Event)
+    # layer digest -> the fetch of that image layer in progress (worker/images.py), so the
+    # sandboxes that need it wait for one download; dropped when it ends
+    layer_fetches: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
 
 WORKER_STATE: Mapping[str, StateRow] = MappingProxyType(
@@ -109,6 +112,12 @@ WORKER_STATE: Mapping[str, StateRow] = MappingProxyType(
             "wakes the pool filler when a pool is short",
             "one event",
             "per-process by nature",
+        ),
+        "WorkerLocalState.layer_fetches": StateRow(
+            "image layers being fetched from the control plane and unpacked",
+            "the layers of the images being started",
+            "per-process by nature; the unpacked layers themselves are files in the worker's "
+            "state directory, kept across restarts (a partial fetch is removed at start)",
         ),
         "WorkerLocalState.cpu_samples": StateRow(
             "each running sandbox's CPU time at its last metrics call",

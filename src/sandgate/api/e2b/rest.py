@@ -106,9 +106,14 @@ async def create(
 ) -> JSONResponse:
     _refuse_unsupported(body)
     template = TEMPLATE_ALIASES.get(body.templateID, body.templateID)
-    if template not in svc.settings.templates:
+    try:
+        resolved = await svc.templates.resolve(who, template)
+    except NotFoundError:
         known = ", ".join(["base", *svc.settings.templates])
-        raise NotFoundError(f"template {body.templateID!r} not found; this server has: {known}")
+        raise NotFoundError(
+            f"template {body.templateID!r} not found; this server has: {known} and the "
+            "templates imported with sandgate templates import"
+        ) from None
     try:  # the native create's checks: reserved metadata keys, env names, sizes
         native = CreateSandbox(
             template=template,
@@ -121,7 +126,7 @@ async def create(
         problem = exc.errors()[0]
         where = ".".join(str(x) for x in problem.get("loc", ())) or "body"
         raise InvalidRequestError(f"{where}: {problem.get('msg', 'invalid')}") from None
-    request = create_request(native, svc.settings)
+    request = create_request(native, svc.settings, resolved)
     result = await svc.creates.create(who, request, idempotency_key, http.is_disconnected)
     headers = {"Idempotent-Replayed": "true"} if result.replayed else None
     # E2B answers 201 to a retry too (its SDK reads any other status as no sandbox)

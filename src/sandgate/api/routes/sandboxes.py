@@ -19,6 +19,7 @@ from sandgate.api.schemas import (
 )
 from sandgate.config import ServerSettings
 from sandgate.control.create import CreateRequest
+from sandgate.control.templates import Resolved
 from sandgate.core import caps
 from sandgate.errors import InvalidRequestError
 from sandgate.store.base import Sandbox, SandboxFilter, SandboxName, TenantId
@@ -56,9 +57,11 @@ def sandbox_out(sandbox: Sandbox) -> dict[str, Any]:
     ).model_dump(mode="json")
 
 
-def create_request(body: CreateSandbox, settings: ServerSettings) -> CreateRequest:
+def create_request(
+    body: CreateSandbox, settings: ServerSettings, template: Resolved
+) -> CreateRequest:
     """What the create pipeline is asked for: the deployment's defaults filled in, its caps
-    checked (the native API and E2B's both create through this)."""
+    checked, its template resolved (the native API and E2B's both create through this)."""
     timeout = body.timeout if body.timeout is not None else settings.default_timeout
     if timeout > settings.max_timeout:
         raise InvalidRequestError(f"timeout is at most {settings.max_timeout:g} seconds")
@@ -73,6 +76,7 @@ def create_request(body: CreateSandbox, settings: ServerSettings) -> CreateReque
         # fingerprinted with what it gets: a retry naming the defaults is the same request
         body=body.model_dump(mode="json") | {"timeout": timeout, "resources": resources},
         pool=body.pool,
+        image=template.image,
     )
 
 
@@ -84,10 +88,8 @@ async def create_sandbox(
     http: Request,
     idempotency_key: Annotated[str | None, Header()] = None,
 ) -> JSONResponse:
-    if body.template not in svc.settings.templates:
-        known = ", ".join(svc.settings.templates)
-        raise InvalidRequestError(f"unknown template {body.template!r}; this server has: {known}")
-    request = create_request(body, svc.settings)
+    template = await svc.templates.resolve(who, body.template)
+    request = create_request(body, svc.settings, template)
     result = await svc.creates.create(who, request, idempotency_key, http.is_disconnected)
     if result.replayed:
         return JSONResponse(

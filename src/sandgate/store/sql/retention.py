@@ -151,6 +151,24 @@ class Retention:
 # What each store table is bounded by; rendered into docs/state.md.
 STORE_GROWTH: Final[tuple[tuple[str, str, str], ...]] = (
     (
+        "templates",
+        "one row per imported template",
+        "made and deleted by the tenants (and admins, for public ones) explicitly; an import "
+        "of an existing name replaces its row",
+    ),
+    (
+        "blobs",
+        "one row per distinct image layer (content-addressed: stored once)",
+        "the layers the templates name; one no template names (a deleted template's, an "
+        "import that failed half-way) goes at the next import or delete, once 10 min old "
+        "(`Templates.sweep_blobs`)",
+    ),
+    (
+        "blob_chunks",
+        "the layers' bytes, 1 MiB per row",
+        "those of the rows of `blobs`, deleted with them",
+    ),
+    (
         "tenants",
         "one row per tenant",
         "created by the operator only (`sandgate keys create`, `sandgate up`)",

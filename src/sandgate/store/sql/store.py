@@ -22,6 +22,7 @@ from sandgate.store.sql.fleet import Fleet
 from sandgate.store.sql.jobs import Jobs
 from sandgate.store.sql.retention import Retention
 from sandgate.store.sql.sandboxes import MetadataCondition, Sandboxes
+from sandgate.store.sql.templates import Templates
 from sandgate.store.sql.tenants import Tenants
 
 
@@ -107,6 +108,18 @@ class SqlStore:
         self.list_tenant_scheduling_timeouts = scheduling.list_tenant_scheduling_timeouts
         self.claim_breaker_trial = scheduling.claim_breaker_trial
         self.conclude_breaker_trial = scheduling.conclude_breaker_trial
+
+        templates = Templates(db)
+        self.blob_complete = templates.blob_complete
+        self.begin_blob = templates.begin_blob
+        self.write_blob_chunk = templates.write_blob_chunk
+        self.complete_blob = templates.complete_blob
+        self.read_blob = templates.read_blob
+        self.put_template = templates.put_template
+        self.get_template = templates.get_template
+        self.list_templates = templates.list_templates
+        self.delete_template = templates.delete_template
+        self.sweep_blobs = templates.sweep_blobs
 
         retention = Retention(db)
         self.sweep_sandboxes = retention.sweep_sandboxes

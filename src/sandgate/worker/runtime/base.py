@@ -14,6 +14,29 @@ from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
+class LayerRef:
+    digest: str  # sha256:<hex> of the blob as stored
+    size: int  # bytes of the blob
+    media: str = "tar"  # "tar" or "tar+gzip"
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """A template's root file system (control/templates.py): its layers, bottom first, and
+    what its image config asks of a process started in it."""
+
+    digest: str  # the template's content address: its layers and config
+    layers: tuple[LayerRef, ...]
+    env: tuple[tuple[str, str], ...] = ()  # below the sandbox's own env
+    workdir: str = ""  # the agent's working directory ("" = /workspace)
+    user: str = ""  # "" or root: uid 0 inside; a number: that uid (its files look its own)
+
+    @property
+    def size(self) -> int:
+        return sum(layer.size for layer in self.layers)
+
+
+@dataclass(frozen=True)
 class SandboxSpec:
     name: str  # also the hostname inside the sandbox; [a-z0-9-], at most 63 chars
     env: dict[str, str] = field(default_factory=dict)
@@ -24,6 +47,7 @@ class SandboxSpec:
     disk_mb: int = 1024  # quota of /workspace and /tmp together
     template: str = "default"  # what it starts as (worker/pool.py TEMPLATES)
     pool: bool = True  # a provision may hand out a pooled sandbox for it (worker/pool.py)
+    image: ImageSpec | None = None  # None: the host's /usr read-only (the built-in templates)
 
     def resources(self) -> dict[str, int | float]:
         return {

@@ -45,17 +45,21 @@ from typing import Any
 from sandgate.agent import MODULES as AGENT_MODULES
 from sandgate.agent import deployed_name
 from sandgate.errors import InvalidRequestError, NetworkUnavailableError, WorkerError
-from sandgate.worker import cgroups, disk, fds, seccomp
+from sandgate.worker import cgroups, disk, fds, rootfs, seccomp
 from sandgate.worker.cgroups import CgroupHost, SandboxCgroups
 from sandgate.worker.cleanup import remove_tree
+from sandgate.worker.layers import layer_name
 from sandgate.worker.runtime import bwrap_host
-from sandgate.worker.runtime.base import RunningSandbox, SandboxSpec
+from sandgate.worker.runtime.base import ImageSpec, RunningSandbox, SandboxSpec
 from sandgate.worker.runtime.bwrap_host import SANDBOX_UID, untraversable
 from sandgate.worker.uids import UidLease, UidPool
 
 log = logging.getLogger(__name__)
 
 AGENT_MOUNT = "/opt/sandgate"
+# a template sandbox's agent runs on the host's Python, bound here read-only and started by
+# the host's own loader (the image may have another libc, or no Python at all)
+HOST_USR_MOUNT = "/opt/sandgate-host/usr"
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -76,13 +80,42 @@ def agent_argv() -> list[str]:
     ]
 
 
+def image_agent_argv(loader: str, library_dir: str, python: str) -> list[str]:
+    """The agent of a template sandbox: host paths given under HOST_USR_MOUNT's view."""
+
+    def inside(path: str) -> str:
+        return HOST_USR_MOUNT + path.removeprefix("/usr")
+
+    return [
+        inside(loader),
+        "--library-path",
+        inside(library_dir),
+        inside(python),
+        *agent_argv()[1:],
+    ]
+
+
+def image_uid(image: ImageSpec) -> int:
+    """The uid a template sandbox runs as inside: 0 for root (the OCI default), else the
+    number the image names (a name: looked up in its /etc/passwd by the worker beforehand)."""
+    user = image.user.partition(":")[0]
+    if user in ("", "root"):
+        return 0
+    if user.isdigit() and int(user) < 65534:
+        return int(user)
+    raise InvalidRequestError(
+        f"the template's user {image.user!r} is neither root nor a uid below 65534"
+    )
+
+
 def check_spec(spec: SandboxSpec) -> None:
     """Refuse a sandbox name or environment that could escape its paths or break argv."""
     if not NAME_RE.fullmatch(spec.name):
         raise InvalidRequestError(
             f"invalid sandbox name {spec.name!r}: use 1-63 of [a-z0-9-], not starting with '-'"
         )
-    for key, value in spec.env.items():
+    image_env = spec.image.env if spec.image is not None else ()
+    for key, value in (*spec.env.items(), *image_env):
         if not ENV_NAME_RE.fullmatch(key):
             raise InvalidRequestError(f"invalid environment variable name {key!r}")
         if "\0" in value:
@@ -133,6 +166,8 @@ class BwrapRuntime:
         self._etc_args: list[str] = []
         self._agent_checked = False
         self._disk_problem: str | None = "the runtime is not prepared"
+        self.layer_store = self.state_dir / "layers"  # images.LayerCache keeps it
+        self._host_python: tuple[str, str, str] | None = None  # loader, its dir, python
         self.fd_share = fd_share
         self._file_limits = (0, 0)  # the host's fs.file-max and fs.nr_open
 
@@ -162,6 +197,8 @@ class BwrapRuntime:
             "disk_quota": self._disk_problem is None,
             "disk_quota_inodes_per_mb": disk.INODES_PER_MB if self._disk_problem is None else 0,
             "fd_share": self.fd_share,
+            # template root file systems (rootfs.py): idmapped layers under an overlay
+            "images": self._host_python is not None,
         }
 
     # ------------------------------------------------------------------ prepare
@@ -186,6 +223,7 @@ class BwrapRuntime:
         except OSError as exc:
             raise WorkerError(f"cannot write the sandbox /etc or seccomp filter: {exc}") from exc
         self._root_args = bwrap_host.root_args(self._etc_args)
+        self._host_python = bwrap_host.host_python()
         self._disk_problem = await bwrap_host.probe_disk(self.state_dir, self.worker_name)
         self._file_limits = bwrap_host.file_limits()
         self._prepared = True
@@ -205,8 +243,22 @@ class BwrapRuntime:
                 "HOST network namespace: they reach everything the host reaches, including "
                 "services on its 127.0.0.1)"
             )
+        if spec.image is not None:
+            image_uid(spec.image)  # refused before anything is made
+            missing = [
+                layer.digest
+                for layer in spec.image.layers
+                if not (self.layer_store / layer_name(layer.digest)).is_dir()
+            ]
+            if missing:
+                raise WorkerError(f"the image's layers are not on this worker: {missing}")
         if argv is None:
-            argv = agent_argv()
+            if spec.image is None:
+                argv = agent_argv()
+            elif self._host_python is None:
+                raise WorkerError("this host's Python cannot run the agent in a template sandbox")
+            else:
+                argv = image_agent_argv(*self._host_python)
             self._check_agent_dir()
         if not argv:
             raise InvalidRequestError("empty argv")
@@ -237,6 +289,17 @@ class BwrapRuntime:
                 workspace.mkdir(mode=0o700)
                 os.chown(workspace, uid, uid)
                 os.chmod(workspace, 0o700)
+            root: Path | None = None
+            if spec.image is not None:
+                names = [layer_name(layer.digest) for layer in spec.image.layers]
+                root = await asyncio.to_thread(
+                    rootfs.mount_root,
+                    sandbox_dir,
+                    self.layer_store,
+                    names,
+                    upper_parent=own_disk or sandbox_dir,
+                    host_uid=uid,
+                )
             log_path = sandbox_dir / "agent.log"
             log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
             cg = cgroups.create_sandbox_cgroups(
@@ -249,7 +312,7 @@ class BwrapRuntime:
                 cpus=spec.cpus,
             )
             seccomp_fd = seccomp.open_filter(self.seccomp_path)
-            args = self._bwrap_args(spec, workspace, tmp, seccomp_fd)
+            args = self._bwrap_args(spec, workspace, tmp, seccomp_fd, root)
             args_fd = _memfd_with(b"".join(a.encode() + b"\0" for a in args))
             cmd = self._command(uid, args_fd, argv, nofile=self.nofile_for(spec))
             process = await asyncio.create_subprocess_exec(
@@ -340,15 +403,24 @@ class BwrapRuntime:
         ]
 
     def _bwrap_args(
-        self, spec: SandboxSpec, workspace: Path, tmp: Path | None, seccomp_fd: int
+        self,
+        spec: SandboxSpec,
+        workspace: Path,
+        tmp: Path | None,
+        seccomp_fd: int,
+        root: Path | None = None,
     ) -> list[str]:
-        """bwrap's options (not the command: bwrap takes that from its real argv only)."""
+        """bwrap's options (not the command: bwrap takes that from its real argv only).
+
+        `root`: a template sandbox's overlay root (`rootfs.py`), writable, instead of the
+        read-only tmpfs root with the host's /usr."""
+        inner_uid = SANDBOX_UID if spec.image is None else image_uid(spec.image)
         cmd = [
             "--unshare-user",
             "--uid",
-            str(SANDBOX_UID),
+            str(inner_uid),
             "--gid",
-            str(SANDBOX_UID),
+            str(inner_uid),
             "--disable-userns",
             "--unshare-pid",
             "--unshare-ipc",
@@ -357,7 +429,11 @@ class BwrapRuntime:
         ]
         if not spec.network:
             cmd.append("--unshare-net")
-        cmd += self._root_args
+        if root is None:
+            cmd += self._root_args
+        else:
+            cmd += ["--bind", str(root), "/", "--dev", "/dev", "--proc", "/proc"]
+            cmd += bwrap_host.image_etc_args(self.etc_dir, allow_network=self.allow_network)
         if tmp is not None:
             cmd += ["--bind", str(tmp), "/tmp"]
         else:  # no disk quota here: a tmpfs, bounded by the sandbox's memory limit
@@ -365,9 +441,11 @@ class BwrapRuntime:
             cmd += ["--size", str(size), "--tmpfs", "/tmp"]
         cmd += ["--bind", str(workspace), "/workspace"]
         cmd += ["--dir", "/opt", "--ro-bind", str(self.agent_dir), AGENT_MOUNT]
+        if root is None:
+            cmd += ["--remount-ro", "/"]
+        else:
+            cmd += ["--ro-bind", "/usr", HOST_USR_MOUNT]
         cmd += [
-            "--remount-ro",
-            "/",
             "--chdir",
             "/workspace",
             "--hostname",
@@ -387,6 +465,8 @@ class BwrapRuntime:
             "LANG",
             "C.UTF-8",
         ]
+        for key, value in spec.image.env if spec.image is not None else ():
+            cmd += ["--setenv", key, value]  # the image's own (its PATH, ...), below the spec's
         for key, value in spec.env.items():
             cmd += ["--setenv", key, value]
         return cmd
@@ -454,5 +534,6 @@ def _memfd_with(data: bytes) -> int:
 
 
 def _remove_sandbox_dir(sandbox_dir: Path) -> None:
+    rootfs.unmount_root(sandbox_dir)  # its upper layer is on the sandbox's file system
     disk.remove(sandbox_dir)  # unmounted first: rm stays on one file system
     remove_tree(sandbox_dir)

@@ -207,6 +207,53 @@ def write_etc(etc_dir: Path, *, allow_network: bool) -> list[str]:
     return args
 
 
+def image_etc_args(etc_dir: Path, *, allow_network: bool) -> list[str]:
+    """What a template sandbox's own /etc gets from the generated one: the name lookups of
+    this sandbox (its image keeps its users, groups and configuration)."""
+    names = ["hosts", "resolv.conf"] if allow_network else ["hosts"]
+    args = ["--dir", "/etc"]
+    for name in names:
+        if (etc_dir / name).exists():
+            args += ["--ro-bind", str(etc_dir / name), f"/etc/{name}"]
+    return args
+
+
+def elf_interpreter(path: Path) -> str | None:
+    """The program interpreter (dynamic loader) a 64-bit little-endian ELF names, if any."""
+    with open(path, "rb") as f:
+        header = f.read(64)
+        if header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:
+            return None
+        phoff = int.from_bytes(header[32:40], "little")
+        phentsize = int.from_bytes(header[54:56], "little")
+        phnum = int.from_bytes(header[56:58], "little")
+        for index in range(phnum):
+            f.seek(phoff + index * phentsize)
+            entry = f.read(phentsize)
+            if int.from_bytes(entry[0:4], "little") == 3:  # PT_INTERP
+                offset = int.from_bytes(entry[8:16], "little")
+                size = int.from_bytes(entry[32:40], "little")
+                f.seek(offset)
+                return f.read(size).rstrip(b"\0").decode()
+    return None
+
+
+def host_python() -> tuple[str, str, str] | None:
+    """(loader, its library directory, python) under /usr, to run the agent in a template
+    sandbox with the host's /usr bound aside; None where the host's Python is not so laid out."""
+    try:
+        python = os.path.realpath("/usr/bin/python3")
+        interp = elf_interpreter(Path(python))
+    except OSError:
+        return None
+    if interp is None:
+        return None
+    loader = os.path.realpath(interp)
+    if not (python.startswith("/usr/") and loader.startswith("/usr/")):
+        return None
+    return loader, os.path.dirname(loader), python
+
+
 def root_args(etc_args: list[str]) -> list[str]:
     """bwrap arguments building the read-only root: a tmpfs with the host's /usr, its
     top-level links into it, the generated /etc (`etc_args`), /dev and /proc."""

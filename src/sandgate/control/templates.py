@@ -1,0 +1,191 @@
+"""Templates: the root file systems a sandbox may start from, and how a create finds one.
+
+Built-in templates (`ServerSettings.templates`: ``default``, ``code-interpreter``) are the
+host's own /usr, read-only, as before. Every other template is an image: layers stored once
+per deployment as content-addressed blobs (store/sql/templates.py), plus its config. A
+tenant's templates are its own; public ones (made with an admin key) are everyone's; a
+tenant's own name shadows a public one, a built-in name is never shadowed.
+
+An import checks the whole archive first (`image_archive.parse`: every digest against the
+bytes), then stores each layer not stored yet, then records the template: a failure at any
+point records nothing, and a blob left incomplete is never read and is swept.
+
+Workers fetch the layers they lack over their tunnel (`blob` requests, `read_chunk`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sandgate.config import ServerSettings
+from sandgate.control import image_archive
+from sandgate.control.image_archive import ArchiveLayer, ParsedArchive
+from sandgate.core.clock import utcnow
+from sandgate.errors import ConflictError, InvalidRequestError, NotFoundError
+from sandgate.store.base import PUBLIC_OWNER, Store, TemplateRecord, TenantId
+from sandgate.store.sql.templates import BLOB_CHUNK
+
+log = logging.getLogger(__name__)
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+MAX_CHUNK_READ = 4 << 20  # a worker's `blob` request gets at most this much
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a create's `template` names: a built-in (image None) or an image."""
+
+    name: str
+    image: dict[str, Any] | None  # the provision's `image` (worker/service.py `_image`)
+
+    @property
+    def size(self) -> int:
+        return sum(int(x["size"]) for x in (self.image or {}).get("layers", []))
+
+
+def check_name(name: str) -> None:
+    if not NAME_RE.fullmatch(name):
+        raise InvalidRequestError(
+            f"invalid template name {name!r}: use 1-63 of [a-z0-9._-], starting with a letter "
+            "or digit"
+        )
+
+
+def image_of(parsed: ParsedArchive) -> dict[str, Any]:
+    """The stored and provisioned form of an image: layers, bottom first, and its config."""
+    config = parsed.config
+    return {
+        "layers": [{"digest": x.digest, "size": x.size, "media": x.media} for x in parsed.layers],
+        "env": dict(config.env),
+        "workdir": config.workdir,
+        "user": config.user,
+        "cmd": list(config.cmd),
+    }
+
+
+def image_digest(image: dict[str, Any]) -> str:
+    """The template's content address: the same layers and config give the same digest."""
+    canonical = json.dumps(image, sort_keys=True, separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(canonical).hexdigest()
+
+
+class TemplateService:
+    def __init__(self, store: Store, settings: ServerSettings) -> None:
+        self.store = store
+        self.settings = settings
+
+    # -- resolving (every create) -----------------------------------------------------------
+    async def resolve(self, tenant: TenantId, name: str) -> Resolved:
+        if name in self.settings.templates:
+            return Resolved(name, None)
+        record = await self.store.get_template(tenant, name)
+        if record is None:
+            record = await self.store.get_template(PUBLIC_OWNER, name)
+        if record is None:
+            known = ", ".join(self.settings.templates)
+            raise NotFoundError(
+                f"template {name!r} not found: import or build it (sandgate templates import "
+                f"NAME FILE), or use a built-in ({known})",
+                code="template_not_found",
+            )
+        return Resolved(name, {**record.image, "digest": record.digest})
+
+    # -- managing -----------------------------------------------------------------------------
+    def owner_of(self, tenant: TenantId | None) -> str:
+        return PUBLIC_OWNER if tenant is None else tenant
+
+    async def list(self, tenant: TenantId | None) -> list[TemplateRecord]:
+        owners = [PUBLIC_OWNER] if tenant is None else [tenant, PUBLIC_OWNER]
+        return await self.store.list_templates(owners)
+
+    async def get(self, tenant: TenantId | None, name: str) -> TemplateRecord:
+        record = await self.store.get_template(self.owner_of(tenant), name)
+        if record is None and tenant is not None:
+            record = await self.store.get_template(PUBLIC_OWNER, name)
+        if record is None:
+            raise NotFoundError(f"template {name!r} not found", code="template_not_found")
+        return record
+
+    async def delete(self, tenant: TenantId | None, name: str) -> None:
+        """Delete the caller's own template (sandboxes started from it keep running: their
+        workers hold its layers); its blobs go once no template names them."""
+        if not await self.store.delete_template(self.owner_of(tenant), name):
+            raise NotFoundError(f"template {name!r} not found", code="template_not_found")
+        await self._sweep()
+
+    async def _sweep(self) -> None:
+        """Delete the blobs no template names (what a delete or a failed import left)."""
+        try:
+            gone = await self.store.sweep_blobs(utcnow())
+        except Exception:  # the next import or delete sweeps again
+            log.exception("templates.sweep_failed")
+        else:
+            if gone:
+                log.info("templates.blobs_swept", extra={"blobs": gone})
+
+    async def import_archive(
+        self, tenant: TenantId | None, name: str, path: Path
+    ) -> TemplateRecord:
+        """Record `name` (the caller's, or public for an admin) as the image in the archive
+        at `path`, replacing a template of that name."""
+        check_name(name)
+        if name in self.settings.templates:
+            raise ConflictError(f"{name!r} is a built-in template: choose another name")
+        parsed = await asyncio.to_thread(image_archive.parse, path)
+        await self._sweep()
+        for layer in parsed.layers:
+            await self._store_layer(path, layer)
+        image = image_of(parsed)
+        record = TemplateRecord(
+            owner=self.owner_of(tenant),
+            name=name,
+            digest=image_digest(image),
+            source=parsed.kind,
+            image=image,
+            size=sum(x.size for x in parsed.layers),
+            created_at=utcnow(),
+        )
+        await self.store.put_template(record)
+        log.info(
+            "template.imported",
+            extra={
+                "template": name,
+                "owner": record.owner,
+                "kind": parsed.kind,
+                "layers": len(parsed.layers),
+                "bytes": record.size,
+            },
+        )
+        return record
+
+    async def _store_layer(self, path: Path, layer: ArchiveLayer) -> None:
+        if await self.store.blob_complete(layer.digest):
+            return  # content-addressed: stored once, by whoever stored it first
+        await self.store.begin_blob(layer.digest, layer.size)
+        stream, tar = await asyncio.to_thread(image_archive.open_layer, path, layer)
+        try:
+            seq = 0
+            while chunk := await asyncio.to_thread(stream.read, BLOB_CHUNK):
+                await self.store.write_blob_chunk(layer.digest, seq, chunk)
+                seq += 1
+        finally:
+            stream.close()
+            if tar is not None:
+                tar.close()
+        await self.store.complete_blob(layer.digest)
+
+    # -- workers' fetches -------------------------------------------------------------------------
+    async def read_chunk(self, digest: str, offset: int) -> bytes:
+        if offset < 0:
+            raise InvalidRequestError("offset must be >= 0")
+        data = await self.store.read_blob(digest, offset, MAX_CHUNK_READ)
+        if data is None:
+            raise NotFoundError(f"blob {digest} is not stored (or not completely)")
+        return data

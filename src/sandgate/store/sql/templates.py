@@ -1,0 +1,183 @@
+"""Templates and the content-addressed blobs of their layers.
+
+A blob is written in `BLOB_CHUNK` pieces, each its own short statement (a large layer never
+holds one transaction open), then marked complete; only complete blobs are read. Its bytes
+were verified against the digest before the first chunk is written, so two instances storing
+the same blob write the same chunks: inserts that find a chunk there skip it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Final
+
+from sqlalchemy import bindparam, delete, select, update
+
+from sandgate.core.clock import utcnow
+from sandgate.store.base import TemplateRecord
+from sandgate.store.ops import store_op
+from sandgate.store.schema import blob_chunks, blobs, templates
+from sandgate.store.sql.engine import Database, PerDialect, dialect_insert
+
+BLOB_CHUNK: Final = 1 << 20
+BLOB_GRACE: Final = timedelta(minutes=10)  # an unreferenced blob younger than this is kept
+
+_SELECT_TEMPLATE = select(templates).where(
+    templates.c.owner == bindparam("b_owner"), templates.c.name == bindparam("b_name")
+)
+_LIST_TEMPLATES = (
+    select(templates)
+    .where(templates.c.owner.in_(bindparam("b_owners", expanding=True)))
+    .order_by(templates.c.name, templates.c.owner)
+)
+_DELETE_TEMPLATE = delete(templates).where(
+    templates.c.owner == bindparam("b_owner"), templates.c.name == bindparam("b_name")
+)
+_SELECT_BLOB = select(blobs).where(blobs.c.digest == bindparam("b_digest"))
+_COMPLETE_BLOB = update(blobs).where(blobs.c.digest == bindparam("b_digest")).values(complete=True)
+_READ_CHUNKS = (
+    select(blob_chunks.c.seq, blob_chunks.c.data)
+    .where(
+        blob_chunks.c.digest == bindparam("b_digest"),
+        blob_chunks.c.seq >= bindparam("b_first"),
+        blob_chunks.c.seq < bindparam("b_end"),
+    )
+    .order_by(blob_chunks.c.seq)
+)
+_ALL_IMAGES = select(templates.c.image)
+_OLD_BLOBS = select(blobs.c.digest).where(blobs.c.created_at < bindparam("b_before"))
+_DELETE_CHUNKS = delete(blob_chunks).where(blob_chunks.c.digest == bindparam("b_digest"))
+_DELETE_BLOB = delete(blobs).where(blobs.c.digest == bindparam("b_digest"))
+
+_INSERT_BLOB: Final = PerDialect(
+    lambda dialect: dialect_insert(dialect, blobs).on_conflict_do_nothing(
+        index_elements=[blobs.c.digest]
+    )
+)
+_INSERT_CHUNK: Final = PerDialect(
+    lambda dialect: dialect_insert(dialect, blob_chunks).on_conflict_do_nothing(
+        index_elements=[blob_chunks.c.digest, blob_chunks.c.seq]
+    )
+)
+_UPSERT_TEMPLATE: Final = PerDialect(
+    lambda dialect: (
+        lambda stmt: stmt.on_conflict_do_update(
+            index_elements=[templates.c.owner, templates.c.name],
+            set_={
+                "digest": stmt.excluded.digest,
+                "source": stmt.excluded.source,
+                "image": stmt.excluded.image,
+                "size": stmt.excluded.size,
+                "created_at": stmt.excluded.created_at,
+            },
+        )
+    )(dialect_insert(dialect, templates))
+)
+
+
+def _record(row: object) -> TemplateRecord:
+    return TemplateRecord(
+        owner=row.owner,  # type: ignore[attr-defined]
+        name=row.name,  # type: ignore[attr-defined]
+        digest=row.digest,  # type: ignore[attr-defined]
+        source=row.source,  # type: ignore[attr-defined]
+        image=dict(row.image),  # type: ignore[attr-defined]
+        size=int(row.size),  # type: ignore[attr-defined]
+        created_at=row.created_at,  # type: ignore[attr-defined]
+    )
+
+
+class Templates:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._insert_blob = _INSERT_BLOB.of(db)
+        self._insert_chunk = _INSERT_CHUNK.of(db)
+        self._upsert_template = _UPSERT_TEMPLATE.of(db)
+
+    @store_op
+    async def blob_complete(self, digest: str) -> bool:
+        row = await self._db.fetch_one(_SELECT_BLOB, {"b_digest": digest})
+        return row is not None and bool(row.complete)
+
+    @store_op
+    async def begin_blob(self, digest: str, size: int) -> None:
+        await self._db.write(
+            self._insert_blob,
+            {"digest": digest, "size": size, "complete": False, "created_at": utcnow()},
+        )
+
+    @store_op
+    async def write_blob_chunk(self, digest: str, seq: int, data: bytes) -> None:
+        await self._db.write(self._insert_chunk, {"digest": digest, "seq": seq, "data": data})
+
+    @store_op
+    async def complete_blob(self, digest: str) -> None:
+        await self._db.write(_COMPLETE_BLOB, {"b_digest": digest})
+
+    @store_op
+    async def read_blob(self, digest: str, offset: int, length: int) -> bytes | None:
+        """Up to `length` bytes of a complete blob from `offset` (b"" past its end), or None
+        if no complete blob has that digest."""
+        row = await self._db.fetch_one(_SELECT_BLOB, {"b_digest": digest})
+        if row is None or not row.complete:
+            return None
+        if offset >= row.size:
+            return b""
+        first = offset // BLOB_CHUNK
+        end = (min(offset + length, row.size) + BLOB_CHUNK - 1) // BLOB_CHUNK
+        found = await self._db.fetch_all(
+            _READ_CHUNKS, {"b_digest": digest, "b_first": first, "b_end": end}
+        )
+        data = b"".join(bytes(chunk.data) for chunk in found)
+        skip = offset - first * BLOB_CHUNK
+        return data[skip : skip + length]
+
+    @store_op
+    async def put_template(self, record: TemplateRecord) -> None:
+        """Record a template (replacing one of the same owner and name)."""
+        await self._db.write(
+            self._upsert_template,
+            {
+                "owner": record.owner,
+                "name": record.name,
+                "digest": record.digest,
+                "source": record.source,
+                "image": record.image,
+                "size": record.size,
+                "created_at": record.created_at,
+            },
+        )
+
+    @store_op
+    async def get_template(self, owner: str, name: str) -> TemplateRecord | None:
+        row = await self._db.fetch_one(_SELECT_TEMPLATE, {"b_owner": owner, "b_name": name})
+        return None if row is None else _record(row)
+
+    @store_op
+    async def list_templates(self, owners: list[str]) -> list[TemplateRecord]:
+        return [_record(r) for r in await self._db.fetch_all(_LIST_TEMPLATES, {"b_owners": owners})]
+
+    @store_op
+    async def delete_template(self, owner: str, name: str) -> bool:
+        return await self._db.write(_DELETE_TEMPLATE, {"b_owner": owner, "b_name": name}) > 0
+
+    @store_op
+    async def sweep_blobs(self, now: datetime) -> int:
+        """Delete the blobs no template names that are older than BLOB_GRACE (a younger one
+        may belong to an import still running); how many went."""
+        used: set[str] = set()
+        for row in await self._db.fetch_all(_ALL_IMAGES, {}):
+            for layer in (row.image or {}).get("layers") or []:
+                used.add(str(layer.get("digest")))
+        gone = 0
+        for row in await self._db.fetch_all(_OLD_BLOBS, {"b_before": now - BLOB_GRACE}):
+            if row.digest in used:
+                continue
+            async with self._db.begin() as conn:
+                await conn.execute(_DELETE_BLOB, {"b_digest": row.digest})
+                await conn.execute(_DELETE_CHUNKS, {"b_digest": row.digest})
+            gone += 1
+        return gone
+
+
+__all__ = ("BLOB_CHUNK", "Templates")

@@ -1,0 +1,196 @@
+"""A template sandbox's root: its image's layers, read-only, under a writable overlay.
+
+The layers are unpacked once per worker (`images.py`), owned by root, shared by every
+sandbox of the image. Each sandbox runs as its own host uid, so it sees them through an
+**idmapped mount** of the layer store: a clone of it on which the on-disk owner 0 reads as
+the sandbox's uid (a user namespace mapping ``0 -> uid`` lends the mapping, then goes).
+overlayfs stacks those layers under an upper directory on the sandbox's own file system
+(`disk.py`): whatever it writes, installs or deletes lands there, counts against its disk
+quota and goes with it; the layers never change.
+
+The mount syscalls (``open_tree``, ``mount_setattr``, ``move_mount``: Linux >= 5.12, no
+wrapper in Python's os module or util-linux's mount 2.38) are called through libc. overlayfs
+keeps private clones of its layers' mounts, so the idmapped mount is detached as soon as
+the overlay stands: one mount per sandbox to remove, the overlay.
+
+Blocking: call these in a thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from sandgate.errors import WorkerError
+
+_SYS_OPEN_TREE = 428  # x86_64 and aarch64 share these numbers (the unified syscall table)
+_SYS_MOVE_MOUNT = 429
+_SYS_MOUNT_SETATTR = 442
+_AT_FDCWD = -100
+_AT_EMPTY_PATH = 0x1000
+_AT_RECURSIVE = 0x8000
+_OPEN_TREE_CLONE = 1
+_MOUNT_ATTR_IDMAP = 0x00100000
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
+_MNT_DETACH = 2
+
+ROOT_NAME = "root"  # the sandbox's merged root, in its directory
+LAYERS_NAME = "l"  # where the idmapped layer store is attached while the overlay is made
+UPPER_NAME = "root-upper"  # on the sandbox's file system
+WORK_NAME = "root-work"
+MAX_MOUNT_DATA = 4000  # the kernel takes one page of mount options
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = (
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    )
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        errno = ctypes.get_errno()
+        raise WorkerError(f"{what}: {os.strerror(errno)}")
+    return result
+
+
+def _mapping_userns(host_uid: int) -> int:
+    """A descriptor of a user namespace mapping uid and gid 0 to `host_uid` (only them)."""
+    holder = subprocess.Popen(
+        ["/usr/bin/unshare", "--user", "/bin/sleep", "30"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={},
+    )
+    try:
+        ours = os.readlink("/proc/self/ns/user")
+        deadline = time.monotonic() + 5.0
+        while os.readlink(f"/proc/{holder.pid}/ns/user") == ours:
+            if holder.poll() is not None or time.monotonic() > deadline:
+                raise WorkerError("cannot make a user namespace for the sandbox's idmapped root")
+            time.sleep(0.0002)
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{holder.pid}/{name}", "w") as f:
+                f.write(f"0 {host_uid} 1\n")
+        return os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise WorkerError(f"cannot map the sandbox's uid for its root: {exc}") from exc
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def attach_idmapped(source: Path, target: Path, host_uid: int) -> None:
+    """Attach a clone of the mount of `source` at `target`, owner 0 reading as `host_uid`."""
+    userns = _mapping_userns(host_uid)
+    tree = -1
+    try:
+        flags = _OPEN_TREE_CLONE | os.O_CLOEXEC
+        tree = _check(
+            _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), ctypes.c_uint(flags)),
+            "open_tree of the layer store",
+        )
+        attr = _MountAttr(_MOUNT_ATTR_IDMAP, 0, 0, userns)
+        _check(
+            _libc.syscall(
+                _SYS_MOUNT_SETATTR,
+                tree,
+                b"",
+                ctypes.c_uint(_AT_EMPTY_PATH | _AT_RECURSIVE),
+                ctypes.byref(attr),
+                ctypes.c_size_t(ctypes.sizeof(attr)),
+            ),
+            "idmapping the layer store (the kernel needs idmapped mounts: Linux >= 5.12)",
+        )
+        _check(
+            _libc.syscall(
+                _SYS_MOVE_MOUNT,
+                tree,
+                b"",
+                _AT_FDCWD,
+                os.fsencode(target),
+                ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH),
+            ),
+            "attaching the idmapped layer store",
+        )
+    finally:
+        if tree >= 0:
+            os.close(tree)
+        os.close(userns)
+
+
+def detach(target: Path) -> None:
+    """Lazily unmount `target` (gone from the tree now, freed once unused)."""
+    _check(_libc.umount2(os.fsencode(target), _MNT_DETACH), f"cannot detach {target}")
+
+
+def overlay_options(layers: list[str], upper: Path, work: Path) -> str:
+    """overlayfs mount options; `layers` are relative to the mount's cwd, bottom first."""
+    lower = ":".join(reversed(layers))  # overlayfs lists the top layer first
+    options = f"lowerdir={lower},upperdir={upper},workdir={work}"
+    if len(options) > MAX_MOUNT_DATA:
+        raise WorkerError(
+            f"the image has too many layers ({len(layers)}) for one overlay mount; squash it"
+        )
+    return options
+
+
+def mount_root(
+    sandbox_dir: Path,
+    layer_store: Path,
+    layers: list[str],
+    *,
+    upper_parent: Path,
+    host_uid: int,
+) -> Path:
+    """Make the sandbox's root in `sandbox_dir`/root: `layers` (names in `layer_store`,
+    bottom first) under an upper directory in `upper_parent`, owned by `host_uid`.
+    Nothing is left mounted on failure."""
+    root = sandbox_dir / ROOT_NAME
+    staging = sandbox_dir / LAYERS_NAME
+    upper, work = upper_parent / UPPER_NAME, upper_parent / WORK_NAME
+    upper.mkdir(mode=0o755)
+    os.chown(upper, host_uid, host_uid)
+    work.mkdir(mode=0o700)
+    root.mkdir(mode=0o755)
+    staging.mkdir(mode=0o700)
+    attach_idmapped(layer_store, staging, host_uid)
+    try:
+        options = overlay_options([f"{LAYERS_NAME}/{name}" for name in layers], upper, work)
+        done = subprocess.run(
+            ["mount", "-t", "overlay", "overlay", "-o", options, str(root)],
+            cwd=sandbox_dir,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if done.returncode != 0:
+            detail = (done.stderr or done.stdout).strip() or f"exit {done.returncode}"
+            raise WorkerError(f"cannot mount the sandbox's root overlay: {detail}")
+    finally:
+        detach(staging)
+        staging.rmdir()
+    return root
+
+
+def unmount_root(sandbox_dir: Path) -> None:
+    """Unmount the sandbox's root overlay if it is mounted (before its file system)."""
+    root = sandbox_dir / ROOT_NAME
+    if os.path.ismount(root):
+        done = subprocess.run(["umount", str(root)], capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            detach(root)
+    if root.is_dir():
+        root.rmdir()

@@ -1,0 +1,195 @@
+"""Templates from image archives, end to end: imported over the REST API, fetched by a real
+bwrap worker over its tunnel, unpacked with whiteouts and opaque directories honoured, and
+seen by real sandboxes read-only under a copy-on-write layer inside their disk quota."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.images import base_layer, docker_archive, oci_archive, top_layer
+from tests.integration.api.conftest import Deployment
+
+
+def upload(client: httpx.Client, name: str, archive: Path) -> httpx.Response:
+    with open(archive, "rb") as body:
+        return client.post(
+            "/api/v1/templates", params={"name": name}, content=body.read(), timeout=120
+        )
+
+
+def sh(client: httpx.Client, sandbox: str, script: str) -> dict[str, Any]:
+    answer = client.post(
+        f"/api/v1/sandboxes/{sandbox}/execute",
+        json={"language": "sh", "code": script, "timeout": 60},
+        timeout=90,
+    )
+    assert answer.status_code == 200, answer.text
+    result: dict[str, Any] = answer.json()
+    return result
+
+
+def create(client: httpx.Client, template: str, **body: Any) -> str:
+    answer = client.post(
+        "/api/v1/sandboxes", json={"template": template, "pool": False, **body}, timeout=120
+    )
+    assert answer.status_code == 201, answer.text
+    name: str = answer.json()["name"]
+    return name
+
+
+@pytest.fixture(scope="module")
+def oci_template(deployment: Deployment, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    archive = oci_archive(tmp_path_factory.mktemp("oci") / "image.tar", [base_layer(), top_layer()])
+    name = f"oci-{uuid.uuid4().hex[:8]}"
+    with deployment.client("alpha") as alpha:
+        answer = upload(alpha, name, archive)
+        assert answer.status_code == 201, answer.text
+        yield name
+        alpha.delete(f"/api/v1/templates/{name}")
+
+
+def test_oci_image_layers_config_and_copy_on_write(alpha: httpx.Client, oci_template: str) -> None:
+    record = alpha.get(f"/api/v1/templates/{oci_template}").json()
+    assert record["source"] == "oci" and record["layers"] == 2 and record["public"] is False
+    assert record["env"]["GREETING"] == "from-config" and record["workdir"] == "/app"
+    assert record["digest"].startswith("sha256:")
+
+    first = create(alpha, oci_template, env={"MINE": "yes"})
+    try:
+        seen = sh(
+            alpha,
+            first,
+            "cat /etc/greeting; echo $GREETING $MINE; ls /opq 2>&1; cat /keep/below /keep/above; "
+            "test -e /removed || echo removed-is-gone; id -u; ls /usr/lib/python3* 2>&1 | head -1",
+        )
+        assert seen["exit_code"] == 0, seen
+        lines = seen["stdout"].splitlines()
+        assert lines[0] == "hello from the image"
+        assert lines[1] == "from-config yes"  # the image's env, then the sandbox's own
+        assert lines[2] == "new", "the opaque directory hides what the base had there"
+        assert lines[3:5] == ["from the base", "from the top"]
+        assert lines[5] == "removed-is-gone", "the whiteout deletes the base's file"
+        assert lines[6] == "0", "an image whose user is root runs as root (in its namespace)"
+        assert "No such file" in lines[7], "the host's /usr is not this sandbox's"
+        # the root is writable: copy-on-write, inside this sandbox only
+        wrote = sh(alpha, first, "echo mine > /usr/bin/added && rm /etc/greeting && echo ok")
+        assert wrote["stdout"] == "ok\n", wrote
+        second = create(alpha, oci_template)
+        try:
+            other = sh(alpha, second, "cat /etc/greeting; test -e /usr/bin/added || echo clean")
+            assert other["stdout"] == "hello from the image\nclean\n", other
+        finally:
+            alpha.delete(f"/api/v1/sandboxes/{second}")
+    finally:
+        alpha.delete(f"/api/v1/sandboxes/{first}")
+
+
+def test_root_writes_count_against_the_disk_quota(alpha: httpx.Client, oci_template: str) -> None:
+    name = create(alpha, oci_template, resources={"disk_mb": 64})
+    try:
+        full = sh(alpha, name, "dd if=/dev/zero of=/usr/big bs=1M count=100 2>&1; echo rc=$?")
+        assert "No space left on device" in full["stdout"] and "rc=1" in full["stdout"], full
+    finally:
+        alpha.delete(f"/api/v1/sandboxes/{name}")
+
+
+def test_docker_save_archive(alpha: httpx.Client, tmp_path: Path) -> None:
+    archive = docker_archive(tmp_path / "saved.tar", [base_layer(), top_layer()])
+    name = f"docker-{uuid.uuid4().hex[:8]}"
+    answer = upload(alpha, name, archive)
+    assert answer.status_code == 201, answer.text
+    assert answer.json()["source"] == "docker"
+    try:
+        sandbox = create(alpha, name)
+        try:
+            seen = sh(alpha, sandbox, "cat /etc/greeting; ls /opq")
+            assert seen["stdout"] == "hello from the image\nnew\n", seen
+        finally:
+            alpha.delete(f"/api/v1/sandboxes/{sandbox}")
+    finally:
+        assert alpha.delete(f"/api/v1/templates/{name}").status_code == 204
+
+
+def test_root_filesystem_tarball(alpha: httpx.Client, tmp_path: Path) -> None:
+    archive = tmp_path / "rootfs.tar.gz"
+    layer = base_layer()
+    layer.gzip = True
+    archive.write_bytes(layer.tar())
+    name = f"rootfs-{uuid.uuid4().hex[:8]}"
+    answer = upload(alpha, name, archive)
+    assert answer.status_code == 201, answer.text
+    assert answer.json()["source"] == "rootfs" and answer.json()["layers"] == 1
+    try:
+        sandbox = create(alpha, name)
+        try:
+            assert sh(alpha, sandbox, "cat /removed")["stdout"] == "deleted by the next layer\n"
+        finally:
+            alpha.delete(f"/api/v1/sandboxes/{sandbox}")
+    finally:
+        alpha.delete(f"/api/v1/templates/{name}")
+
+
+def test_bad_archives_are_refused_and_nothing_is_recorded(
+    alpha: httpx.Client, tmp_path: Path
+) -> None:
+    good = oci_archive(tmp_path / "good.tar", [base_layer(), top_layer()])
+    truncated = tmp_path / "truncated.tar"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    mismatch = oci_archive(tmp_path / "bad.tar", [base_layer(), top_layer()], corrupt_layer=1)
+    garbage = tmp_path / "garbage.tar.gz"
+    garbage.write_bytes(b"\x1f\x8b" + b"not really gzip" * 100)
+    for archive, words in (
+        (truncated, "truncated"),
+        (mismatch, "digest mismatch"),
+        (garbage, "corrupt"),
+    ):
+        name = f"bad-{uuid.uuid4().hex[:8]}"
+        answer = upload(alpha, name, archive)
+        assert answer.status_code == 400, (archive.name, answer.text)
+        assert answer.json()["error"]["code"] == "invalid_template_archive"
+        assert words in answer.json()["error"]["message"], answer.text
+        assert alpha.get(f"/api/v1/templates/{name}").status_code == 404
+    assert upload(alpha, "default", good).status_code == 409, "a built-in name is never taken"
+    assert upload(alpha, "Bad Name", good).status_code in (400, 422)
+
+
+def test_unknown_template_and_tenancy(
+    alpha: httpx.Client, beta: httpx.Client, deployment: Deployment, oci_template: str
+) -> None:
+    missing = alpha.post("/api/v1/sandboxes", json={"template": "no-such-template"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "template_not_found"
+    # another tenant neither sees nor starts alpha's template
+    assert oci_template not in [t["name"] for t in beta.get("/api/v1/templates").json()]
+    assert beta.get(f"/api/v1/templates/{oci_template}").status_code == 404
+    assert beta.delete(f"/api/v1/templates/{oci_template}").status_code == 404
+    refused = beta.post("/api/v1/sandboxes", json={"template": oci_template})
+    assert refused.status_code == 404, refused.text
+    assert alpha.get(f"/api/v1/templates/{oci_template}").status_code == 200
+
+
+def test_public_template_from_an_admin(
+    deployment: Deployment, beta: httpx.Client, tmp_path: Path
+) -> None:
+    archive = oci_archive(tmp_path / "public.tar", [base_layer(), top_layer()])
+    name = f"pub-{uuid.uuid4().hex[:8]}"
+    with deployment.admin() as admin:
+        answer = upload(admin, name, archive)
+        assert answer.status_code == 201, answer.text
+        assert answer.json()["public"] is True
+        try:
+            assert name in [t["name"] for t in beta.get("/api/v1/templates").json()]
+            sandbox = create(beta, name)
+            try:
+                assert sh(beta, sandbox, "cat /etc/greeting")["exit_code"] == 0
+            finally:
+                beta.delete(f"/api/v1/sandboxes/{sandbox}")
+            assert beta.delete(f"/api/v1/templates/{name}").status_code == 404, "not beta's"
+        finally:
+            assert admin.delete(f"/api/v1/templates/{name}").status_code == 204
+    assert beta.post("/api/v1/sandboxes", json={"template": name}).status_code == 404
