@@ -69,6 +69,7 @@ NAMES = {
     # the public classes and their private helpers
     "AsyncSandgate": "Sandgate",
     "AsyncSandboxes": "Sandboxes",
+    "AsyncTemplates": "Templates",
     "AsyncSandbox": "Sandbox",
     "AsyncFiles": "Files",
     "AsyncProcesses": "Processes",

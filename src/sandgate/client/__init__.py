@@ -15,7 +15,7 @@ with Sandgate() as sg:  # $SANDGATE_URL / $SANDGATE_API_KEY, else a local `sandg
 The reference is docs/client.md.
 """
 
-from sandgate.client._async import AsyncSandbox, AsyncSandboxes, AsyncSandgate
+from sandgate.client._async import AsyncSandbox, AsyncSandboxes, AsyncSandgate, AsyncTemplates
 from sandgate.client._async_toolbox import (
     AsyncCodeContexts,
     AsyncFiles,
@@ -24,7 +24,7 @@ from sandgate.client._async_toolbox import (
     AsyncTerminal,
 )
 from sandgate.client._base import DEFAULT_URL, KEY_FILE, Progress, RetryPolicy
-from sandgate.client._sync import Sandbox, Sandboxes, Sandgate
+from sandgate.client._sync import Sandbox, Sandboxes, Sandgate, Templates
 from sandgate.client._sync_toolbox import CodeContexts, Files, Process, Processes, Terminal
 from sandgate.client.errors import (
     APIConnectionError,
@@ -56,6 +56,7 @@ from sandgate.client.models import (
     PtyToken,
     Result,
     SandboxInfo,
+    TemplateInfo,
 )
 
 __all__ = (
@@ -70,6 +71,7 @@ __all__ = (
     "AsyncSandbox",
     "AsyncSandboxes",
     "AsyncSandgate",
+    "AsyncTemplates",
     "AsyncTerminal",
     "AuthenticationError",
     "CodeContext",
@@ -104,6 +106,8 @@ __all__ = (
     "Sandgate",
     "SandgateError",
     "ServerError",
+    "TemplateInfo",
+    "Templates",
     "Terminal",
     "UnavailableError",
 )

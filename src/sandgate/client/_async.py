@@ -44,7 +44,11 @@ from sandgate.client._base import (
     DEFAULT_TIMEOUT,
     EXEC_JOB_FIRST_POLL,
     EXEC_JOB_POLL,
+    TEMPLATE_IMPORT_READ_TIMEOUT,
+    Progress,
     Safety,
+    Upload,
+    UploadData,
     auth_headers,
     check_poll,
     create_body,
@@ -66,6 +70,7 @@ from sandgate.client.models import (
     PtyToken,
     Result,
     SandboxInfo,
+    TemplateInfo,
 )
 
 ASYNC = True  # `if ASYNC: <asyncio> else: <blocking>`: scripts/async_to_sync.py keeps the else
@@ -92,6 +97,7 @@ class AsyncSandgate:
     ) -> None:
         self._api = _AsyncApi(url, api_key, timeout, max_retries)
         self.sandboxes = AsyncSandboxes(self._api)
+        self.templates = AsyncTemplates(self._api)
 
     @property
     def url(self) -> str:
@@ -189,6 +195,47 @@ class _AsyncExecJobs:
             else:
                 await anyio.sleep(pause)
             pause = min(pause * 2, poll)
+
+
+class AsyncTemplates:
+    """The images sandboxes start from: `client.templates`."""
+
+    def __init__(self, api: _AsyncApi) -> None:
+        self._api = api
+
+    async def import_archive(
+        self, name: str, archive: UploadData, *, progress: Progress | None = None
+    ) -> TemplateInfo:
+        """Import an image archive as template `name` (replacing one of that name): an OCI
+        image layout or `docker save` tarball, or a root file system as tar or tar.gz.
+        `archive`: a local path, bytes or a binary file, streamed; the server checks every
+        digest before it stores anything."""
+        upload = await anyio.to_thread.run_sync(Upload, archive)
+        response = await self._api.request(
+            "POST",
+            "/api/v1/templates",
+            safety=Safety.IDEMPOTENT,  # the same name and archive give the same template
+            params={"name": name},
+            upload=upload,
+            progress=progress,
+            headers={"Content-Type": "application/x-tar"},
+            timeouts=self._api.stream_timeout(TEMPLATE_IMPORT_READ_TIMEOUT),
+        )
+        return TemplateInfo.from_json(response.json())
+
+    async def list(self) -> builtins.list[TemplateInfo]:
+        """The caller's own templates and the public ones (not the built-ins)."""
+        body = await self._api.json("GET", "/api/v1/templates", safety=Safety.IDEMPOTENT)
+        return [TemplateInfo.from_json(item) for item in body]
+
+    async def get(self, name: str) -> TemplateInfo:
+        body = await self._api.json("GET", f"/api/v1/templates/{name}", safety=Safety.IDEMPOTENT)
+        return TemplateInfo.from_json(body)
+
+    async def delete(self, name: str) -> None:
+        await self._api.request(
+            "DELETE", f"/api/v1/templates/{name}", safety=Safety.IDEMPOTENT, gone_ok=True
+        )
 
 
 class AsyncSandboxes:

@@ -22,7 +22,11 @@ from sandgate.client._base import (
     DEFAULT_TIMEOUT,
     EXEC_JOB_FIRST_POLL,
     EXEC_JOB_POLL,
+    TEMPLATE_IMPORT_READ_TIMEOUT,
+    Progress,
     Safety,
+    Upload,
+    UploadData,
     auth_headers,
     check_poll,
     create_body,
@@ -52,6 +56,7 @@ from sandgate.client.models import (
     PtyToken,
     Result,
     SandboxInfo,
+    TemplateInfo,
 )
 
 
@@ -76,6 +81,7 @@ class Sandgate:
     ) -> None:
         self._api = _Api(url, api_key, timeout, max_retries)
         self.sandboxes = Sandboxes(self._api)
+        self.templates = Templates(self._api)
 
     @property
     def url(self) -> str:
@@ -163,6 +169,47 @@ class _ExecJobs:
             else:
                 time.sleep(pause)
             pause = min(pause * 2, poll)
+
+
+class Templates:
+    """The images sandboxes start from: `client.templates`."""
+
+    def __init__(self, api: _Api) -> None:
+        self._api = api
+
+    def import_archive(
+        self, name: str, archive: UploadData, *, progress: Progress | None = None
+    ) -> TemplateInfo:
+        """Import an image archive as template `name` (replacing one of that name): an OCI
+        image layout or `docker save` tarball, or a root file system as tar or tar.gz.
+        `archive`: a local path, bytes or a binary file, streamed; the server checks every
+        digest before it stores anything."""
+        upload = Upload(archive)
+        response = self._api.request(
+            "POST",
+            "/api/v1/templates",
+            safety=Safety.IDEMPOTENT,
+            params={"name": name},
+            upload=upload,
+            progress=progress,
+            headers={"Content-Type": "application/x-tar"},
+            timeouts=self._api.stream_timeout(TEMPLATE_IMPORT_READ_TIMEOUT),
+        )
+        return TemplateInfo.from_json(response.json())
+
+    def list(self) -> builtins.list[TemplateInfo]:
+        """The caller's own templates and the public ones (not the built-ins)."""
+        body = self._api.json("GET", "/api/v1/templates", safety=Safety.IDEMPOTENT)
+        return [TemplateInfo.from_json(item) for item in body]
+
+    def get(self, name: str) -> TemplateInfo:
+        body = self._api.json("GET", f"/api/v1/templates/{name}", safety=Safety.IDEMPOTENT)
+        return TemplateInfo.from_json(body)
+
+    def delete(self, name: str) -> None:
+        self._api.request(
+            "DELETE", f"/api/v1/templates/{name}", safety=Safety.IDEMPOTENT, gone_ok=True
+        )
 
 
 class Sandboxes:

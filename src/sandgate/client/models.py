@@ -368,3 +368,36 @@ class Execution:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TemplateInfo:
+    """A template as the server described it: an image a sandbox may start from."""
+
+    name: str
+    public: bool  # every tenant may start from it
+    digest: str  # content address of its layers and config
+    source: str  # "oci", "docker" or "rootfs"
+    size: int  # bytes of its layers as stored
+    layers: int
+    env: dict[str, str]
+    workdir: str
+    user: str
+    cmd: list[str]
+    created_at: datetime | None
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> TemplateInfo:
+        return cls(
+            name=str(body["name"]),
+            public=bool(body.get("public", False)),
+            digest=str(body.get("digest", "")),
+            source=str(body.get("source", "")),
+            size=int(body.get("size") or 0),
+            layers=int(body.get("layers") or 0),
+            env=dict(body.get("env") or {}),
+            workdir=str(body.get("workdir") or ""),
+            user=str(body.get("user") or ""),
+            cmd=[str(x) for x in body.get("cmd") or []],
+            created_at=_time(body.get("created_at")),
+        )

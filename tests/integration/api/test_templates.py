@@ -193,3 +193,56 @@ def test_public_template_from_an_admin(
         finally:
             assert admin.delete(f"/api/v1/templates/{name}").status_code == 204
     assert beta.post("/api/v1/sandboxes", json={"template": name}).status_code == 404
+
+
+def test_cli_imports_a_directory_and_the_sdk_sees_it(
+    deployment: Deployment, alpha: httpx.Client, tmp_path: Path
+) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from sandgate.client import Sandgate
+
+    root = tmp_path / "root"
+    for path, content in base_layer().entries.items():
+        target = root / path
+        if content is None:
+            target.mkdir(parents=True, exist_ok=True)
+        elif isinstance(content, str):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(content.removeprefix("->"))
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(content)
+            target.chmod(0o755)
+    (root / "etc" / "from-dir").write_text("packed by the CLI\n")
+    env = {
+        **os.environ,
+        "SANDGATE_URL": deployment.url,
+        "SANDGATE_API_KEY": deployment.keys["alpha"],
+    }
+    name = f"dir-{uuid.uuid4().hex[:8]}"
+    cli = [str(Path(sys.executable).parent / "sandgate"), "templates"]
+    made = subprocess.run(
+        [*cli, "import", name, str(root), "--json"], env=env, capture_output=True, text=True
+    )
+    assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout)["source"] == "rootfs"
+    try:
+        listed = subprocess.run([*cli, "list"], env=env, capture_output=True, text=True)
+        assert name in listed.stdout and "code-interpreter" in listed.stdout
+        with Sandgate(deployment.url, deployment.keys["alpha"]) as client:
+            assert client.templates.get(name).layers == 1
+            box = client.sandboxes.create(template=name)
+            try:
+                assert box.run("cat /etc/from-dir", language="sh").stdout == "packed by the CLI\n"
+            finally:
+                box.delete()
+        gone = subprocess.run([*cli, "delete", name], env=env, capture_output=True, text=True)
+        assert gone.returncode == 0, gone.stderr
+        missing = subprocess.run([*cli, "show", name], env=env, capture_output=True, text=True)
+        assert missing.returncode != 0 and "not found" in missing.stderr
+    finally:
+        alpha.delete(f"/api/v1/templates/{name}")
