@@ -74,6 +74,7 @@ def base_layer() -> Layer:
         layer.entries[tool.lstrip("/")] = Path(tool).read_bytes()
         libraries |= _libraries(tool)
     layer.entries["usr/bin/sh"] = "->dash"
+    layer.entries["usr/bin/bash"] = "->dash"  # E2B's SDK runs commands with bash -l -c
     for library in sorted(libraries):
         # the name the loader looks for, under /usr (the image's /lib is a link to it)
         relative = "usr/" + library.lstrip("/").removeprefix("usr/")

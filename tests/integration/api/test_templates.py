@@ -15,6 +15,8 @@ import pytest
 from tests.images import base_layer, docker_archive, oci_archive, top_layer
 from tests.integration.api.conftest import Deployment
 
+pytestmark = pytest.mark.bwrap
+
 
 def upload(client: httpx.Client, name: str, archive: Path) -> httpx.Response:
     with open(archive, "rb") as body:
@@ -246,3 +248,16 @@ def test_cli_imports_a_directory_and_the_sdk_sees_it(
         assert missing.returncode != 0 and "not found" in missing.stderr
     finally:
         alpha.delete(f"/api/v1/templates/{name}")
+
+
+def test_e2b_sdk_starts_an_imported_template(deployment: Deployment, oci_template: str) -> None:
+    from tests import e2b_scenarios as sdk
+
+    e2b = sdk.E2B(deployment.keys["alpha"], deployment.url)
+    sbx = e2b.create(template=oci_template)
+    try:
+        assert sbx.commands.run("cat /etc/greeting").stdout == "hello from the image\n"
+        sbx.files.write("/home/user/note.txt", "from e2b")
+        assert sbx.commands.run("cat /workspace/note.txt").stdout == "from e2b"
+    finally:
+        sbx.kill()

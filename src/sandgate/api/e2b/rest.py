@@ -342,7 +342,10 @@ async def unsupported_snapshots(who: Tenant) -> None:
 @router.api_route("/v3/templates", methods=["GET", "POST"])
 @router.api_route("/v3/templates/{rest:path}", methods=["GET", "POST", "PATCH", "DELETE"])
 async def unsupported_templates(who: Tenant) -> None:
-    _not_yet("building or managing templates (the operator configures them: --template)")
+    _not_yet(
+        "building or managing templates through E2B's API (import images with sandgate "
+        "templates import or POST /api/v1/templates, then pass their name as templateID)"
+    )
 
 
 @router.api_route("/volumes", methods=["GET", "POST"])
