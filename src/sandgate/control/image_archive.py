@@ -68,6 +68,16 @@ class ParsedArchive:
 
 def parse(path: Path) -> ParsedArchive:
     """Read and check the archive at `path` (see the module docstring)."""
+    try:
+        return _parse(path)
+    except (AttributeError, TypeError, KeyError, ValueError) as exc:
+        if isinstance(exc, ArchiveError):
+            raise
+        # a JSON document of the wrong shape (a string where an object belongs, ...)
+        raise ArchiveError(f"the archive's index, manifest or config is malformed: {exc}") from None
+
+
+def _parse(path: Path) -> ParsedArchive:
     with open(path, "rb") as raw:
         head = raw.read(4)
         if head[:4] == ZSTD_MAGIC:
@@ -87,6 +97,7 @@ def parse(path: Path) -> ParsedArchive:
         for member in members.values():
             if member.isfile() and member.offset_data + member.size > length:
                 raise ArchiveError(f"the archive is truncated at {member.name}")
+        _check_end(path, tar.offset)
         if "index.json" in members and "oci-layout" in members:
             return _oci(tar, members)
         if "manifest.json" in members:
@@ -94,12 +105,28 @@ def parse(path: Path) -> ParsedArchive:
     return _rootfs(path, "tar")
 
 
+def _check_end(path: Path, offset: int) -> None:
+    """A tar ends with two zero blocks where its last member ends: tarfile stops quietly at
+    a short or corrupt header, so anything else there is a truncated or corrupt archive."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        end = f.read(1024)
+    if len(end) < 1024 or end.strip(b"\0"):
+        raise ArchiveError(
+            f"the archive is truncated or corrupt after {offset} bytes (no end-of-archive "
+            "marker where its members end)"
+        )
+
+
 def _rootfs(path: Path, media: str) -> ParsedArchive:
     digest, size = _hash(_chunks_of_file(path))
     if media == "tar+gzip":
         try:  # a corrupt or truncated gzip is refused here, not found by a worker
-            with gzip.open(path) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
-                for _ in tar:
+            with gzip.open(path) as stream:
+                with tarfile.open(fileobj=stream, mode="r|") as tar:
+                    for _ in tar:
+                        pass
+                while stream.read(READ_CHUNK):  # to the end: the gzip trailer's CRC is checked
                     pass
         except (OSError, EOFError, tarfile.TarError, gzip.BadGzipFile) as exc:
             raise ArchiveError(
@@ -167,7 +194,9 @@ def _docker(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> Parsed
     config = _json(tar, members, config_name)
     diff_ids = ((config or {}).get("rootfs") or {}).get("diff_ids") or []
     names = entry.get("Layers") or []
-    if not isinstance(names, list) or len(names) != len(diff_ids):
+    if not isinstance(names, list) or not isinstance(diff_ids, list):
+        raise ArchiveError("manifest.json's Layers and the config's rootfs.diff_ids must be lists")
+    if len(names) != len(diff_ids):
         raise ArchiveError(
             f"manifest.json names {len(names)} layers but the config has {len(diff_ids)} diff_ids"
         )

@@ -100,8 +100,8 @@ def _unpack_member(
             return
         if leaf.startswith(WHITEOUT_PREFIX):
             target = leaf[len(WHITEOUT_PREFIX) :]
-            if not target:
-                raise LayerError(f"layer member {member.name!r} is an empty whiteout")
+            if target in ("", ".", ".."):  # it would delete the directory, or its parent
+                raise LayerError(f"layer member {member.name!r} is not a whiteout of a name")
             _remove(parent_fd, target)
             os.mknod(target, stat.S_IFCHR | 0o000, os.makedev(0, 0), dir_fd=parent_fd)
             stats.whiteouts += 1
