@@ -28,6 +28,7 @@ from sandgate.api.routes import (
 )
 from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission
+from sandgate.control.builds import BuildService
 from sandgate.control.contexts import ContextService
 from sandgate.control.create import CreatePipeline
 from sandgate.control.exec_jobs import ExecJobService
@@ -71,6 +72,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         workers.on_serving = deliver_waiting  # a re-attached worker gets its creates at once
         toolbox = Toolbox(service, workers)
         jobs = ExecJobService(store, state, service, toolbox, settings, gate, node_url=node_url)
+        templates_service = TemplateService(store, settings)
         app.state.services = Services(
             settings,
             store,
@@ -82,7 +84,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
             jobs,
             gate,
             ContextService(toolbox),
-            TemplateService(store, settings),
+            templates_service,
+            BuildService(store, settings, templates_service, creates, toolbox, service),
         )
         try:
             # this instance holds no tunnel yet: records naming it are from before a crash or

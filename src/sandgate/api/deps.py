@@ -15,6 +15,7 @@ from fastapi import Request
 
 from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission
+from sandgate.control.builds import BuildService
 from sandgate.control.contexts import ContextService
 from sandgate.control.create import CreatePipeline
 from sandgate.control.exec_jobs import ExecJobService
@@ -41,6 +42,7 @@ class Services:
     admission: Admission
     contexts: ContextService  # code contexts (kernels) inside sandboxes
     templates: TemplateService  # what a create may start from; image imports
+    builds: BuildService  # templates built from steps, in the tenants' sandboxes
 
 
 def services(request: Request) -> Services:

@@ -87,6 +87,17 @@ class TemplateOut(BaseModel):
     created_at: datetime
 
 
+class BuildOut(BaseModel):
+    id: str
+    name: str  # the template it makes
+    state: str  # running, succeeded, failed
+    log: str  # its steps' output (the last 1 MiB)
+    error: str | None
+    digest: str | None  # the template's, once it succeeded
+    created_at: datetime
+    finished_at: datetime | None
+
+
 class SandboxOut(BaseModel):
     name: str
     state: str

@@ -86,6 +86,14 @@ class OutputReply(_Reply):
     exit_code: int | None = None
 
 
+class ExportedLayer(_Reply):
+    """export_root: the layer a template sandbox's root changes make, on its worker."""
+
+    digest: str
+    size: int = Field(ge=0)
+    entries: int = Field(ge=0)
+
+
 class TaggedWriteReply(_Reply):
     """proc_stdin to a process named by its tag: which one, and where its output stood."""
 

@@ -141,7 +141,7 @@ class TemplateService:
         parsed = await asyncio.to_thread(image_archive.parse, path)
         await self._sweep()
         for layer in parsed.layers:
-            await self._store_layer(path, layer)
+            await self.store_file_layer(path, layer)
         image = image_of(parsed)
         record = TemplateRecord(
             owner=self.owner_of(tenant),
@@ -165,7 +165,9 @@ class TemplateService:
         )
         return record
 
-    async def _store_layer(self, path: Path, layer: ArchiveLayer) -> None:
+    async def store_file_layer(self, path: Path, layer: ArchiveLayer) -> None:
+        """Store a layer whose bytes were checked against its digest (an archive's member,
+        or a whole file: a build step's) unless a complete blob already holds it."""
         if await self.store.blob_complete(layer.digest):
             return  # content-addressed: stored once, by whoever stored it first
         await self.store.begin_blob(layer.digest, layer.size)

@@ -29,6 +29,7 @@ from sandgate.control.replies import (
     Entry,
     EntryReply,
     ExecReply,
+    ExportedLayer,
     HandleReply,
     MetricsReply,
     OpenReadReply,
@@ -445,6 +446,26 @@ class Toolbox:
         await self._call(tenant, name, "watch_stop", {"watch": watch_id})
 
     # -- metrics ---------------------------------------------------------------------------
+    async def export_root(self, tenant: TenantId, name: str) -> ExportedLayer:
+        """Have the worker write what the template sandbox changed in its root as a layer
+        (worker/export.py); read it with `exported_chunk`. Removed with the sandbox."""
+        sandbox = await self.sandboxes.running(tenant, name)
+        raw, _ = await self.workers.request(
+            sandbox.worker, "export_root", {"name": sandbox.name}, b"", wait=EXPORT_SECONDS
+        )
+        return parse(ExportedLayer, raw)
+
+    async def exported_chunk(self, tenant: TenantId, name: str, offset: int) -> bytes:
+        sandbox = await self.sandboxes.running(tenant, name)
+        _, payload = await self.workers.request(
+            sandbox.worker,
+            "export_read",
+            {"name": sandbox.name, "offset": offset},
+            b"",
+            wait=EXPORT_READ_SECONDS,
+        )
+        return payload
+
     async def metrics(self, tenant: TenantId, name: str) -> SandboxMetrics:
         """What the tenant's running sandbox uses now, measured by its worker on its host
         (its cgroups and file system: `worker/metrics.py` says where each figure comes
@@ -511,6 +532,8 @@ def _refuse_past_the_quota(sandbox: Sandbox, declared: int | None) -> None:
 
 
 # -- metrics -------------------------------------------------------------------------------
+EXPORT_SECONDS = 600.0  # a build step's layer is written (and hashed) on its worker
+EXPORT_READ_SECONDS = 60.0
 METRICS_SECONDS = 10.0  # a worker measures a sandbox in about 0.1 s (a CPU sampling window)
 
 

@@ -40,6 +40,19 @@ class TemplateRecord:
 
 
 @dataclass(frozen=True)
+class BuildRecord:
+    id: str
+    owner: str  # as TemplateRecord.owner
+    name: str  # the template it makes
+    state: str  # "running", "succeeded", "failed"
+    log: str  # what its steps printed (the last MAX_BUILD_LOG characters)
+    error: str | None
+    digest: str | None  # the template's, once it succeeded
+    created_at: datetime
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True)
 class Tenant:
     id: TenantId
     name: str
@@ -384,6 +397,20 @@ class Store(Protocol):
     async def list_templates(self, owners: list[str]) -> list[TemplateRecord]: ...
     async def delete_template(self, owner: str, name: str) -> bool: ...
     async def sweep_blobs(self, now: datetime) -> int: ...
+    async def insert_build(self, record: BuildRecord, *, keep: int) -> None: ...
+    async def update_build(
+        self,
+        build_id: str,
+        *,
+        state: str,
+        log: str,
+        error: str | None,
+        digest: str | None,
+        finished_at: datetime | None,
+    ) -> None: ...
+    async def get_build(self, owner: str, build_id: str) -> BuildRecord | None: ...
+    async def get_cached_step(self, owner: str, key: str) -> tuple[bool, dict[str, Any] | None]: ...
+    async def put_cached_step(self, owner: str, key: str, layer: dict[str, Any] | None) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -342,6 +342,35 @@ blob_chunks = Table(
     PrimaryKeyConstraint("digest", "seq", name="pk_blob_chunks"),
 )
 
+# Template builds: one row per build, its log kept (capped) to be read after it ended; and the
+# per-owner step cache: a step's key (core/build_spec.step_key) -> the layer it made (null:
+# it changed nothing).
+template_builds = Table(
+    "template_builds",
+    metadata,
+    Column("id", Text, nullable=False),
+    Column("owner", Text, nullable=False),
+    Column("name", Text, nullable=False),
+    Column("state", Text, nullable=False),
+    Column("log", Text, nullable=False),
+    Column("error", Text, nullable=True),
+    Column("digest", Text, nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("finished_at", UTCDateTime, nullable=True),
+    PrimaryKeyConstraint("id", name="pk_template_builds"),
+    Index("ix_template_builds_owner_created_at", "owner", "created_at"),
+)
+
+build_cache = Table(
+    "build_cache",
+    metadata,
+    Column("owner", Text, nullable=False),
+    Column("key", Text, nullable=False),
+    Column("layer", JSON, nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    PrimaryKeyConstraint("owner", "key", name="pk_build_cache"),
+)
+
 __all__ = (
     "NAMING_CONVENTION",
     "UTCDateTime",
@@ -351,6 +380,7 @@ __all__ = (
     "blob_chunks",
     "blobs",
     "breakers",
+    "build_cache",
     "exec_jobs",
     "idempotency_keys",
     "instances",

@@ -9,8 +9,10 @@ Tunnel operations (server → worker):
 | `list` | | `sandboxes` [names], `tearing_down` [names being destroyed] |
 | `agent` | `sandbox`, `call` {op, ...}, payload | the agent's answer, relayed |
 | `metrics` | `name` | `timestamp`, `cpu_count`, `cpu_used_pct`, `mem_*`, `disk_*` (`metrics`) |
+| `export_root` | `name` | `digest`, `size`, `entries` of its root's changes as a layer |
+| `export_read` | `name`, `offset` | up to `BLOB_CHUNK` bytes of that layer (empty at its end) |
 
-Requests (worker → server): `blob` {digest, offset} → up to `BLOB_CHUNK` bytes of an image
+Requests (worker → server): `blob` {digest, offset} → up to 4 MiB of an image
 layer from offset, empty past its end (`images.LayerCache` fetches the layers it lacks).
 
 Events (worker → server): `hello` on connect and `heartbeat` (both carry `sandboxes`, what
@@ -23,6 +25,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -39,9 +42,9 @@ from sandgate.errors import (
     StorageFullError,
     WorkerError,
 )
-from sandgate.worker import disk, metrics, pool
+from sandgate.worker import disk, export, metrics, pool
 from sandgate.worker.agent_link import AgentLink
-from sandgate.worker.images import FetchChunk, LayerCache
+from sandgate.worker.images import INCOMING, FetchChunk, LayerCache
 from sandgate.worker.runtime.base import ImageSpec, LayerRef, Runtime, SandboxSpec
 from sandgate.worker.state import LiveSandbox, Starting, WorkerLocalState
 
@@ -54,6 +57,7 @@ TEARDOWN_WAIT = 10.0  # a provision waits this long for a teardown of its name o
 SHUTDOWN_TEARDOWN_WAIT = 8.0  # a stopping worker waits this long (at most twice: see run) for
 # its teardowns, so it stops within the 20 s `sandgate up` and the tests give it
 DEFAULT_AGENT_CALL_TIMEOUT = 120.0
+BLOB_CHUNK = 4 << 20  # an exported layer is read this much per export_read
 POOL_CHECK = 5.0  # the pool filler looks again this often even unwoken
 POOL_RETRY = 5.0  # a pool sandbox that failed to start is tried again after this
 BOOT_CONTEXT_READY = 60.0  # a pooled code-interpreter sandbox's kernel must answer within this
@@ -123,6 +127,13 @@ class WorkerService:
             return {"existed": existed}, b""
         if op == "metrics":
             return await self._metrics(str(header.get("name", ""))), b""
+        if op == "export_root":
+            return await self._export_root(str(header.get("name", ""))), b""
+        if op == "export_read":
+            offset = header.get("offset")
+            if not isinstance(offset, int) or offset < 0:
+                raise InvalidRequestError("export_read takes an offset >= 0")
+            return {}, await self._export_read(str(header.get("name", "")), offset)
         if op == "list":
             return {
                 "sandboxes": sorted(self.state.sandboxes),
@@ -273,6 +284,9 @@ class WorkerService:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, TEARDOWN_RETRY_MAX)
                     continue
+                if self.layers is not None:  # a build step's exported layer, if any
+                    export_file = self._export_path(name)
+                    await asyncio.to_thread(export_file.unlink, missing_ok=True)
                 if self.state.tearing_down.get(name) is live:
                     del self.state.tearing_down[name]
                 log.info("sandbox.destroyed", extra={"sandbox": name})
@@ -525,6 +539,38 @@ class WorkerService:
             raise ConflictError(f"sandbox {name} is not running", code="not_running")
         self.state.cpu_samples[name] = sample
         return measured.header()
+
+    def _export_path(self, name: str) -> Path:
+        if self.layers is None:
+            raise NotSupportedError(f"this worker's {self.runtime.name} runtime has no image roots")
+        return self.layers.store / INCOMING / f"export-{name}.tar"
+
+    async def _export_root(self, name: str) -> Header:
+        """Write what the sandbox changed in its image root as a layer (a build's step)."""
+        live = self._running(name)
+        upper = live.running.upper
+        if upper is None:
+            raise InvalidRequestError(
+                f"sandbox {name} has no image root to export (it runs a built-in template)"
+            )
+        out = self._export_path(name)
+        await asyncio.to_thread(out.parent.mkdir, mode=0o700, exist_ok=True)
+        digest, size, entries = await asyncio.to_thread(export.export_upper, upper, out)
+        return {"digest": digest, "size": size, "entries": entries}
+
+    async def _export_read(self, name: str, offset: int) -> bytes:
+        self._running(name)
+        path = self._export_path(name)
+
+        def read() -> bytes:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                return f.read(BLOB_CHUNK)
+
+        try:
+            return await asyncio.to_thread(read)
+        except FileNotFoundError:
+            raise ConflictError(f"sandbox {name} has no exported layer: export it first") from None
 
     def _running(self, name: str) -> LiveSandbox:
         live = self.state.sandboxes.get(name)

@@ -1,4 +1,5 @@
-"""`/api/v1/templates`: the root file systems sandboxes start from (control/templates.py).
+"""`/api/v1/templates`: the root file systems sandboxes start from (control/templates.py),
+imported from archives or built from steps (control/builds.py).
 
 `POST /api/v1/templates?name=NAME` takes an archive as the request body, streamed to a
 temporary file first (an OCI image layout or `docker save` tarball, or a root file system
@@ -11,17 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import shutil
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import IO, Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from sandgate.api.deps import Services, Viewer, services, viewer
 from sandgate.api.routes.sandboxes import error_docs
-from sandgate.api.schemas import TemplateOut
-from sandgate.errors import PayloadTooLargeError
+from sandgate.api.schemas import BuildOut, TemplateOut
+from sandgate.core import build_spec
+from sandgate.errors import InvalidRequestError, PayloadTooLargeError
 from sandgate.store.base import PUBLIC_OWNER, TemplateRecord
 
 router = APIRouter(prefix="/api/v1/templates", tags=["templates"])
@@ -48,8 +55,117 @@ def template_out(record: TemplateRecord) -> dict[str, Any]:
     }
 
 
-@router.post("", status_code=201, response_model=TemplateOut, responses=error_docs())
-async def import_template(name: NameQuery, request: Request, who: Who, svc: Svc) -> Any:
+BUILD_TYPES = ("application/json", "multipart/form-data")
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=TemplateOut,
+    responses={**error_docs(), 200: {"content": {"application/x-ndjson": {}}}},
+)
+async def create_template(name: NameQuery, request: Request, who: Who, svc: Svc) -> Any:
+    """Make template `name` (replacing one of that name).
+
+    - An image archive as the body (any other content type): imported; answers 201 with the
+      template.
+    - A build: `application/json` (the build document), or `multipart/form-data` with a
+      `build` field (the document, JSON) and a `context` file (a tar of the files its copy
+      steps name). Answers 200 with the build's events as NDJSON, as they happen: `build`
+      {id, steps}, `step`, `log` {text}, `step_done` {cached, layer}, then `done`
+      {template} or `error` {message, step, build}. A bad document, an unknown base or a
+      build without a tenant key is refused before anything runs (4xx).
+    """
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type in BUILD_TYPES:
+        return await _build(name, request, content_type, who, svc)
+    return await _import(name, request, who, svc)
+
+
+async def _build(name: str, request: Request, content_type: str, who: Viewer, svc: Services) -> Any:
+    context: Path | None = None
+    if content_type == "application/json":
+        raw = await _bounded_body(request, svc.settings.max_json_bytes)
+        document = _json_document(raw)
+    else:
+        form = await request.form(max_files=1, max_fields=4)
+        field = form.get("build")
+        if not isinstance(field, str):
+            raise InvalidRequestError("a multipart build needs a 'build' field (the document)")
+        document = _json_document(field.encode())
+        upload = form.get("context")
+        if upload is not None and not isinstance(upload, str):
+            context = await asyncio.to_thread(_spool, upload.file)
+    spec = build_spec.parse(document)
+    events = svc.builds.build(who.tenant, name, spec, context)
+    try:
+        first = await anext(events)  # refusals before anything ran are plain 4xx answers
+    except BaseException:
+        if context is not None:
+            await asyncio.to_thread(_discard, context)
+        raise
+
+    async def lines() -> AsyncIterator[bytes]:
+        try:
+            yield _line(first)
+            async for event in events:
+                yield _line(event)
+        finally:
+            await events.aclose()
+            if context is not None:
+                await asyncio.to_thread(_discard, context)
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.get("/builds/{build_id}", response_model=BuildOut, responses=error_docs())
+async def get_build(build_id: str, who: Who, svc: Svc) -> Any:
+    """A build's record: its state, its whole log (the last 1 MiB), its error."""
+    record = await svc.builds.get(who.tenant, build_id)
+    return {
+        "id": record.id,
+        "name": record.name,
+        "state": record.state,
+        "log": record.log,
+        "error": record.error,
+        "digest": record.digest,
+        "created_at": record.created_at,
+        "finished_at": record.finished_at,
+    }
+
+
+def _line(event: dict[str, Any]) -> bytes:
+    template = event.get("template")
+    if isinstance(template, TemplateRecord):
+        event = {**event, "template": jsonable_encoder(template_out(template))}
+    return json.dumps(event).encode() + b"\n"
+
+
+def _json_document(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"the build document is not JSON: {exc}") from None
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLargeError(f"the build document is over {limit} bytes")
+    return bytes(body)
+
+
+def _spool(source: IO[bytes]) -> Path:
+    fd, raw = tempfile.mkstemp(prefix="sandgate-context-", suffix=".tar")
+    with os.fdopen(fd, "wb") as out:
+        source.seek(0)
+        shutil.copyfileobj(source, out, 1 << 20)
+    return Path(raw)
+
+
+async def _import(name: str, request: Request, who: Viewer, svc: Services) -> Any:
     """Import an image archive (the body) as template `name`, replacing one of that name."""
     limit = svc.settings.max_template_bytes
     fd, raw_path = tempfile.mkstemp(prefix="sandgate-template-", suffix=".tar")
@@ -67,7 +183,7 @@ async def import_template(name: NameQuery, request: Request, who: Who, svc: Svc)
         record = await svc.templates.import_archive(who.tenant, name, path)
     finally:
         await asyncio.to_thread(_discard, path)
-    return template_out(record)
+    return JSONResponse(jsonable_encoder(template_out(record)), status_code=201)
 
 
 def _discard(path: Path) -> None:

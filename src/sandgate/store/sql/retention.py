@@ -164,6 +164,18 @@ STORE_GROWTH: Final[tuple[tuple[str, str, str], ...]] = (
         "(`Templates.sweep_blobs`)",
     ),
     (
+        "template_builds",
+        "one row per build, its log capped at 1 MiB",
+        "the newest 100 per owner: older ones are deleted as a new build starts "
+        "(`Templates.insert_build`)",
+    ),
+    (
+        "build_cache",
+        "one row per build step that ran (per owner)",
+        "the distinct steps built per owner (a key and a layer reference each); the layers "
+        "they name are kept from the blob sweep; not swept yet",
+    ),
+    (
         "blob_chunks",
         "the layers' bytes, 1 MiB per row",
         "those of the rows of `blobs`, deleted with them",

@@ -120,6 +120,11 @@ class SqlStore:
         self.list_templates = templates.list_templates
         self.delete_template = templates.delete_template
         self.sweep_blobs = templates.sweep_blobs
+        self.insert_build = templates.insert_build
+        self.update_build = templates.update_build
+        self.get_build = templates.get_build
+        self.get_cached_step = templates.get_cached_step
+        self.put_cached_step = templates.put_cached_step
 
         retention = Retention(db)
         self.sweep_sandboxes = retention.sweep_sandboxes

@@ -9,14 +9,14 @@ the same blob write the same chunks: inserts that find a chunk there skip it.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Final
+from typing import Any, Final
 
-from sqlalchemy import bindparam, delete, select, update
+from sqlalchemy import bindparam, delete, insert, select, update
 
 from sandgate.core.clock import utcnow
-from sandgate.store.base import TemplateRecord
+from sandgate.store.base import BuildRecord, TemplateRecord
 from sandgate.store.ops import store_op
-from sandgate.store.schema import blob_chunks, blobs, templates
+from sandgate.store.schema import blob_chunks, blobs, build_cache, template_builds, templates
 from sandgate.store.sql.engine import Database, PerDialect, dialect_insert
 
 BLOB_CHUNK: Final = 1 << 20
@@ -45,6 +45,31 @@ _READ_CHUNKS = (
     .order_by(blob_chunks.c.seq)
 )
 _ALL_IMAGES = select(templates.c.image)
+_CACHED_LAYERS = select(build_cache.c.layer).where(build_cache.c.layer.is_not(None))
+_SELECT_BUILD = select(template_builds).where(
+    template_builds.c.owner == bindparam("b_owner"), template_builds.c.id == bindparam("b_id")
+)
+_UPDATE_BUILD = (
+    update(template_builds)
+    .where(template_builds.c.id == bindparam("b_id"))
+    .values(
+        state=bindparam("state"),
+        log=bindparam("log"),
+        error=bindparam("error"),
+        digest=bindparam("digest"),
+        finished_at=bindparam("finished_at"),
+    )
+)
+_OWNER_BUILDS = (
+    select(template_builds.c.id)
+    .where(template_builds.c.owner == bindparam("b_owner"))
+    .order_by(template_builds.c.created_at.desc())
+    .offset(bindparam("b_keep"))
+)
+_DELETE_BUILD = delete(template_builds).where(template_builds.c.id == bindparam("b_id"))
+_SELECT_CACHED = select(build_cache.c.layer).where(
+    build_cache.c.owner == bindparam("b_owner"), build_cache.c.key == bindparam("b_key")
+)
 _OLD_BLOBS = select(blobs.c.digest).where(blobs.c.created_at < bindparam("b_before"))
 _DELETE_CHUNKS = delete(blob_chunks).where(blob_chunks.c.digest == bindparam("b_digest"))
 _DELETE_BLOB = delete(blobs).where(blobs.c.digest == bindparam("b_digest"))
@@ -57,6 +82,11 @@ _INSERT_BLOB: Final = PerDialect(
 _INSERT_CHUNK: Final = PerDialect(
     lambda dialect: dialect_insert(dialect, blob_chunks).on_conflict_do_nothing(
         index_elements=[blob_chunks.c.digest, blob_chunks.c.seq]
+    )
+)
+_INSERT_CACHED: Final = PerDialect(
+    lambda dialect: dialect_insert(dialect, build_cache).on_conflict_do_nothing(
+        index_elements=[build_cache.c.owner, build_cache.c.key]
     )
 )
 _UPSERT_TEMPLATE: Final = PerDialect(
@@ -87,9 +117,24 @@ def _record(row: object) -> TemplateRecord:
     )
 
 
+def _build(row: object) -> BuildRecord:
+    return BuildRecord(
+        id=row.id,  # type: ignore[attr-defined]
+        owner=row.owner,  # type: ignore[attr-defined]
+        name=row.name,  # type: ignore[attr-defined]
+        state=row.state,  # type: ignore[attr-defined]
+        log=row.log,  # type: ignore[attr-defined]
+        error=row.error,  # type: ignore[attr-defined]
+        digest=row.digest,  # type: ignore[attr-defined]
+        created_at=row.created_at,  # type: ignore[attr-defined]
+        finished_at=row.finished_at,  # type: ignore[attr-defined]
+    )
+
+
 class Templates:
     def __init__(self, db: Database) -> None:
         self._db = db
+        self._insert_cached = _INSERT_CACHED.of(db)
         self._insert_blob = _INSERT_BLOB.of(db)
         self._insert_chunk = _INSERT_CHUNK.of(db)
         self._upsert_template = _UPSERT_TEMPLATE.of(db)
@@ -169,6 +214,8 @@ class Templates:
         for row in await self._db.fetch_all(_ALL_IMAGES, {}):
             for layer in (row.image or {}).get("layers") or []:
                 used.add(str(layer.get("digest")))
+        for row in await self._db.fetch_all(_CACHED_LAYERS, {}):
+            used.add(str((row.layer or {}).get("digest")))
         gone = 0
         for row in await self._db.fetch_all(_OLD_BLOBS, {"b_before": now - BLOB_GRACE}):
             if row.digest in used:
@@ -178,6 +225,70 @@ class Templates:
                 await conn.execute(_DELETE_CHUNKS, {"b_digest": row.digest})
             gone += 1
         return gone
+
+    # -- builds -------------------------------------------------------------------------------
+    @store_op
+    async def insert_build(self, record: BuildRecord, *, keep: int) -> None:
+        """Record a build starting; the owner's builds past the newest `keep` go."""
+        async with self._db.begin() as conn:
+            await conn.execute(
+                insert(template_builds),
+                {
+                    "id": record.id,
+                    "owner": record.owner,
+                    "name": record.name,
+                    "state": record.state,
+                    "log": record.log,
+                    "error": record.error,
+                    "digest": record.digest,
+                    "created_at": record.created_at,
+                    "finished_at": record.finished_at,
+                },
+            )
+            old = await conn.execute(_OWNER_BUILDS, {"b_owner": record.owner, "b_keep": keep})
+            for row in old.fetchall():
+                await conn.execute(_DELETE_BUILD, {"b_id": row.id})
+
+    @store_op
+    async def update_build(
+        self,
+        build_id: str,
+        *,
+        state: str,
+        log: str,
+        error: str | None,
+        digest: str | None,
+        finished_at: datetime | None,
+    ) -> None:
+        await self._db.write(
+            _UPDATE_BUILD,
+            {
+                "b_id": build_id,
+                "state": state,
+                "log": log,
+                "error": error,
+                "digest": digest,
+                "finished_at": finished_at,
+            },
+        )
+
+    @store_op
+    async def get_build(self, owner: str, build_id: str) -> BuildRecord | None:
+        row = await self._db.fetch_one(_SELECT_BUILD, {"b_owner": owner, "b_id": build_id})
+        return None if row is None else _build(row)
+
+    @store_op
+    async def get_cached_step(self, owner: str, key: str) -> tuple[bool, dict[str, Any] | None]:
+        """(found, the layer it made or None when it made none)."""
+        row = await self._db.fetch_one(_SELECT_CACHED, {"b_owner": owner, "b_key": key})
+        return (False, None) if row is None else (True, row.layer)
+
+    @store_op
+    async def put_cached_step(self, owner: str, key: str, layer: dict[str, Any] | None) -> None:
+        await self._db.write(
+            self._insert_cached,
+            {"owner": owner, "key": key, "layer": layer, "created_at": utcnow()},
+        )
 
 
 __all__ = ("BLOB_CHUNK", "Templates")

@@ -71,6 +71,7 @@ class RunningSandbox:
     cgroup_dirs: tuple[Path, ...] = ()
     disk: Path | None = None
     scratch: tuple[Path, ...] = ()
+    upper: Path | None = None  # a template sandbox's overlay upper directory (rootfs.py)
 
 
 class Runtime(Protocol):

@@ -355,6 +355,7 @@ class BwrapRuntime:
             cgroup_dirs=tuple(cg.dirs),
             disk=own_disk,
             scratch=() if own_disk is not None else (workspace,),  # /tmp: a tmpfs, in memory
+            upper=None if root is None else (own_disk or sandbox_dir) / rootfs.UPPER_NAME,
         )
 
     def _check_agent_dir(self) -> None:
