@@ -98,6 +98,120 @@ def import_template(
         )
 
 
+def pack_context(context: Path, sources: list[str], into: Path) -> None:
+    """The files the copy steps name, from `context`, as the build's context tarball."""
+    with tarfile.open(into, "w") as tar:
+        for source in sorted(set(sources)):
+            path = context / source
+            if not path.exists() and not path.is_symlink():
+                raise typer.BadParameter(f"copy {source!r}: no such file in {context}")
+            tar.add(path, arcname=source, recursive=True, filter=_squashed)
+
+
+class BuildView:
+    """The build's events on the terminal: a step bar, and every log line above it."""
+
+    def __init__(self, steps: int, quiet: bool) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        self.quiet = quiet
+        self.console = Console(stderr=True)
+        self.progress = Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=True,
+            disable=not self.console.is_terminal,
+        )
+        self.task = self.progress.add_task("building", total=steps)
+
+    def __call__(self, event: dict[str, object]) -> None:
+        kind = event.get("event")
+        if kind == "step":
+            self.progress.update(self.task, description=f"#{event['index']} {event['step']}")
+            self.console.print(f"[bold]#{event['index']}[/] {event['step']}", highlight=False)
+        elif kind == "log" and not self.quiet:
+            self.console.out(str(event.get("text", "")), end="", highlight=False)
+        elif kind == "step_done":
+            self.progress.advance(self.task)
+            how = "cached" if event.get("cached") else f"done in {event.get('seconds')} s"
+            self.console.print(f"[dim]#{event['index']} {how}[/]", highlight=False)
+
+
+@app.command("build")
+def build(
+    name: NameArg,
+    file: Annotated[
+        Path,
+        typer.Option(
+            "--file", "-f", help="the build file (TOML, or JSON)", exists=True, dir_okay=False
+        ),
+    ] = Path("template.toml"),
+    context: Annotated[
+        Path | None,
+        typer.Option(help="directory the copy steps read from (default: the file's own)"),
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no step output")] = False,
+    as_json: JsonOpt = False,
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Build template NAME from a base template and steps (run, copy, env, workdir, user);
+    each step's layer is cached. Shows the steps' output as they run."""
+    import tomllib
+
+    raw = file.read_bytes()
+    try:
+        document = json.loads(raw) if file.suffix == ".json" else tomllib.loads(raw.decode())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise typer.BadParameter(f"{file}: {exc}", param_hint="--file") from None
+    steps = document.get("steps") if isinstance(document, dict) else None
+    sources = [
+        str(step["copy"])
+        for step in steps or []
+        if isinstance(step, dict) and isinstance(step.get("copy"), str)
+    ]
+    from sandgate.client import BuildFailedError
+
+    with reported_errors(), connect(url, api_key) as client:
+        view = BuildView(len(steps) if isinstance(steps, list) else 0, quiet or as_json)
+        with tempfile.TemporaryDirectory(prefix="sandgate-build-") as scratch:
+            packed: Path | None = None
+            if sources:
+                packed = Path(scratch) / "context.tar"
+                pack_context((context or file.parent).resolve(), sources, packed)
+            try:
+                with view.progress:
+                    made = client.templates.build(name, document, context=packed, on_event=view)
+            except BuildFailedError as exc:
+                typer.echo(
+                    f"error: step {exc.step} failed: {exc.message} (the whole log: "
+                    f"sandgate templates build-log {exc.build_id})",
+                    err=True,
+                )
+                raise typer.Exit(1) from None
+        if as_json:
+            typer.echo(json.dumps(_row(made)))
+            return
+        typer.echo(f"{made.name}: {made.layers} layer(s), {made.size} bytes, {made.digest}")
+
+
+@app.command("build-log")
+def build_log(
+    build_id: Annotated[str, typer.Argument(help="the build's id", show_default=False)],
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """A build's whole log (its last 1 MiB), then its state."""
+    with reported_errors(), connect(url, api_key) as client:
+        record = client.templates.build_log(build_id)
+        typer.echo(record.get("log", ""), nl=False)
+        typer.echo(f"-- {record.get('state')}: {record.get('error') or record.get('digest')}")
+
+
 @app.command("list")
 def list_templates(as_json: JsonOpt = False, url: UrlOpt = None, api_key: KeyOpt = None) -> None:
     """Your templates and the public ones (the built-ins default and code-interpreter too)."""

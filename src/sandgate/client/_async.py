@@ -17,6 +17,8 @@ never blocks the event loop.
 from __future__ import annotations
 
 import builtins
+import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -39,6 +41,7 @@ from sandgate.client._async_toolbox import (
     _TerminalOpener,
 )
 from sandgate.client._base import (
+    BUILD_IDLE_TIMEOUT,
     CREATE_READ_TIMEOUT,
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_TIMEOUT,
@@ -59,7 +62,7 @@ from sandgate.client._base import (
     list_params,
     ws_url,
 )
-from sandgate.client.errors import APIConnectionError
+from sandgate.client.errors import APIConnectionError, BuildFailedError
 from sandgate.client.models import (
     CodeContext,
     ExecJob,
@@ -223,6 +226,58 @@ class AsyncTemplates:
         )
         return TemplateInfo.from_json(response.json())
 
+    async def build(
+        self,
+        name: str,
+        document: Mapping[str, Any],
+        *,
+        context: UploadData | None = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+    ) -> TemplateInfo:
+        """Build template `name` from `document` (`from`, `steps`, ...: docs/templates.md),
+        with `context` (a tar of the files its copy steps name: a path, bytes or a binary
+        file). Each event the server streams (`build`, `step`, `log`, `step_done`, ...) goes
+        to `on_event` as it happens. Raises BuildFailedError when a step fails (its log is
+        kept: `build_log(error.build_id)`)."""
+        files: dict[str, Any] = {"build": (None, json.dumps(dict(document)))}
+        if context is not None:
+            data = await anyio.to_thread.run_sync(_context_bytes, context)
+            files["context"] = ("context.tar", data, "application/x-tar")
+        response = await self._api.request(
+            "POST",
+            "/api/v1/templates",
+            safety=Safety.UNSAFE,  # a build runs its steps: never sent twice
+            params={"name": name},
+            files=files,
+            stream=True,
+            timeouts=self._api.stream_timeout(BUILD_IDLE_TIMEOUT),
+        )
+        try:
+            async for line in response.aiter_lines():
+                if not line:
+                    continue
+                event = json.loads(line)
+                if on_event is not None:
+                    on_event(event)
+                if event.get("event") == "done":
+                    return TemplateInfo.from_json(event["template"])
+                if event.get("event") == "error":
+                    raise BuildFailedError(
+                        str(event.get("message", "the build failed")),
+                        build_id=str(event.get("build", "")),
+                        step=int(event.get("step") or 0),
+                    )
+        finally:
+            await response.aclose()
+        raise APIConnectionError("the build's event stream ended before the build did")
+
+    async def build_log(self, build_id: str) -> dict[str, Any]:
+        """A build's record: state, log (the last 1 MiB), error, digest."""
+        body: dict[str, Any] = await self._api.json(
+            "GET", f"/api/v1/templates/builds/{build_id}", safety=Safety.IDEMPOTENT
+        )
+        return body
+
     async def list(self) -> builtins.list[TemplateInfo]:
         """The caller's own templates and the public ones (not the built-ins)."""
         body = await self._api.json("GET", "/api/v1/templates", safety=Safety.IDEMPOTENT)
@@ -236,6 +291,17 @@ class AsyncTemplates:
         await self._api.request(
             "DELETE", f"/api/v1/templates/{name}", safety=Safety.IDEMPOTENT, gone_ok=True
         )
+
+
+def _context_bytes(context: UploadData) -> bytes:
+    if isinstance(context, bytes | bytearray | memoryview):
+        return bytes(context)
+    if isinstance(context, str):
+        return context.encode()
+    if isinstance(context, os.PathLike):
+        with open(context, "rb") as f:
+            return f.read()
+    return context.read()
 
 
 class AsyncSandboxes:

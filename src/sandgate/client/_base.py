@@ -51,6 +51,7 @@ STDIN_CHUNK_BYTES = 1 << 20  # one stdin POST (the server takes at most 8 MiB)
 DEFAULT_TIMEOUT = 60.0
 # a create may wait in the server's queue (120 s by default) and then start (30 s)
 CREATE_READ_TIMEOUT = 300.0
+BUILD_IDLE_TIMEOUT = 900.0  # a build step may print nothing for this long
 TEMPLATE_IMPORT_READ_TIMEOUT = 600.0  # a large archive's digests are checked before the answer
 DEFAULT_EXEC_TIMEOUT = 30.0  # the server's default for `execute` without a timeout
 KEEPALIVE_EXPIRY = 4.0  # below uvicorn's 5 s keep-alive, so a pooled socket is never stale

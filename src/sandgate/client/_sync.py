@@ -5,6 +5,8 @@ source of both: its comments say why the code is as it is)."""
 from __future__ import annotations
 
 import builtins
+import json
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -17,6 +19,7 @@ from websockets.exceptions import InvalidHandshake, InvalidStatus
 from websockets.sync.client import connect
 
 from sandgate.client._base import (
+    BUILD_IDLE_TIMEOUT,
     CREATE_READ_TIMEOUT,
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_TIMEOUT,
@@ -45,7 +48,7 @@ from sandgate.client._sync_toolbox import (
     Terminal,
     _run_code,
 )
-from sandgate.client.errors import APIConnectionError
+from sandgate.client.errors import APIConnectionError, BuildFailedError
 from sandgate.client.models import (
     CodeContext,
     ExecJob,
@@ -197,6 +200,58 @@ class Templates:
         )
         return TemplateInfo.from_json(response.json())
 
+    def build(
+        self,
+        name: str,
+        document: Mapping[str, Any],
+        *,
+        context: UploadData | None = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+    ) -> TemplateInfo:
+        """Build template `name` from `document` (`from`, `steps`, ...: docs/templates.md),
+        with `context` (a tar of the files its copy steps name: a path, bytes or a binary
+        file). Each event the server streams (`build`, `step`, `log`, `step_done`, ...) goes
+        to `on_event` as it happens. Raises BuildFailedError when a step fails (its log is
+        kept: `build_log(error.build_id)`)."""
+        files: dict[str, Any] = {"build": (None, json.dumps(dict(document)))}
+        if context is not None:
+            data = _context_bytes(context)
+            files["context"] = ("context.tar", data, "application/x-tar")
+        response = self._api.request(
+            "POST",
+            "/api/v1/templates",
+            safety=Safety.UNSAFE,
+            params={"name": name},
+            files=files,
+            stream=True,
+            timeouts=self._api.stream_timeout(BUILD_IDLE_TIMEOUT),
+        )
+        try:
+            for line in response.iter_lines():
+                if not line:
+                    continue
+                event = json.loads(line)
+                if on_event is not None:
+                    on_event(event)
+                if event.get("event") == "done":
+                    return TemplateInfo.from_json(event["template"])
+                if event.get("event") == "error":
+                    raise BuildFailedError(
+                        str(event.get("message", "the build failed")),
+                        build_id=str(event.get("build", "")),
+                        step=int(event.get("step") or 0),
+                    )
+        finally:
+            response.close()
+        raise APIConnectionError("the build's event stream ended before the build did")
+
+    def build_log(self, build_id: str) -> dict[str, Any]:
+        """A build's record: state, log (the last 1 MiB), error, digest."""
+        body: dict[str, Any] = self._api.json(
+            "GET", f"/api/v1/templates/builds/{build_id}", safety=Safety.IDEMPOTENT
+        )
+        return body
+
     def list(self) -> builtins.list[TemplateInfo]:
         """The caller's own templates and the public ones (not the built-ins)."""
         body = self._api.json("GET", "/api/v1/templates", safety=Safety.IDEMPOTENT)
@@ -210,6 +265,17 @@ class Templates:
         self._api.request(
             "DELETE", f"/api/v1/templates/{name}", safety=Safety.IDEMPOTENT, gone_ok=True
         )
+
+
+def _context_bytes(context: UploadData) -> bytes:
+    if isinstance(context, bytes | bytearray | memoryview):
+        return bytes(context)
+    if isinstance(context, str):
+        return context.encode()
+    if isinstance(context, os.PathLike):
+        with open(context, "rb") as f:
+            return f.read()
+    return context.read()
 
 
 class Sandboxes:

@@ -96,6 +96,16 @@ class GatewayTimeoutError(ServerError):
     pass
 
 
+class BuildFailedError(SandgateError):
+    """A template build ended with an error: `step` is the step that failed (0: before the
+    first), `build_id` names its record (`client.templates.build_log`), which keeps the log."""
+
+    def __init__(self, message: str, *, build_id: str, step: int) -> None:
+        super().__init__(message, code="build_failed")
+        self.build_id = build_id
+        self.step = step
+
+
 class ExecJobTimeoutError(SandgateError, TimeoutError):
     """`wait_exec_job` waited its `timeout` and the job had not finished; `job` is the job as
     last seen (queued or running). Nothing is cancelled: the job still runs on the server."""

@@ -182,3 +182,64 @@ def test_json_build_without_context(alpha: httpx.Client, base: str, tmp_path: Pa
         events = [json.loads(line) for line in answer.iter_lines() if line]
     assert events[-1]["event"] == "done", events
     alpha.delete(f"/api/v1/templates/{name}")
+
+
+def test_cli_build_from_a_toml_file(deployment: Deployment, base: str, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "index.html").write_text("<h1>hi</h1>\n")
+    (tmp_path / "template.toml").write_text(
+        f'from = "{base}"\n'
+        'cmd = ["/bin/sh"]\n\n'
+        '[[steps]]\nrun = "echo from-cli > /etc/cli"\n\n'
+        '[[steps]]\ncopy = "site"\nto = "/srv/site"\n'
+    )
+    (tmp_path / "broken.toml").write_text(
+        f'from = "{base}"\n[[steps]]\nrun = "echo the-cause; exit 7"\n'
+    )
+    env = {**os.environ, "SANDGATE_URL": deployment.url}
+    env["SANDGATE_API_KEY"] = deployment.keys["alpha"]
+    cli = [str(Path(sys.executable).parent / "sandgate"), "templates"]
+    name = f"cli-{uuid.uuid4().hex[:8]}"
+    made = subprocess.run(
+        [*cli, "build", name, "-f", str(tmp_path / "template.toml")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert made.returncode == 0, made.stderr
+    assert (
+        "#1 run echo from-cli > /etc/cli" in made.stderr and "#2 copy site /srv/site" in made.stderr
+    )
+    assert made.stdout.startswith(f"{name}: ")
+    try:
+        with deployment.client("alpha") as alpha:
+            box = alpha.post("/api/v1/sandboxes", json={"template": name, "pool": False})
+            assert box.status_code == 201, box.text
+            try:
+                assert sh(alpha, box.json()["name"], "cat /etc/cli /srv/site/index.html") == (
+                    "from-cli\n<h1>hi</h1>\n"
+                )
+            finally:
+                alpha.delete(f"/api/v1/sandboxes/{box.json()['name']}")
+        failed = subprocess.run(
+            [*cli, "build", f"{name}-x", "-f", str(tmp_path / "broken.toml")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert failed.returncode == 1, failed.stderr
+        assert "the-cause" in failed.stderr and "step 1 failed" in failed.stderr
+        build_id = failed.stderr.split("build-log ")[1].split(")")[0]
+        shown = subprocess.run(
+            [*cli, "build-log", build_id], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert "the-cause" in shown.stdout and "-- failed" in shown.stdout, shown
+    finally:
+        with deployment.client("alpha") as alpha:
+            alpha.delete(f"/api/v1/templates/{name}")
