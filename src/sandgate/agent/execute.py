@@ -95,7 +95,7 @@ def exec_env(st: AgentState, req: Header) -> dict[str, str]:
 
 
 def exec_cwd(st: AgentState, req: Header) -> str:
-    target = paths.resolve(st.roots, str_field(req, "cwd", "/workspace"), follow=True, name="cwd")
+    target = paths.resolve(st.roots, str_field(req, "cwd", st.cwd), follow=True, name="cwd")
     found = os.stat(target.real)
     if not stat.S_ISDIR(found.st_mode):
         raise AgentError("not_a_directory", f"cwd {target.spath} is not a directory")

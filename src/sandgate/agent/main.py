@@ -281,12 +281,15 @@ def _tune_malloc() -> None:
 
 
 def _parse_args(argv: list[str]) -> dict[str, str]:
-    """``--workspace DIR --tmp DIR`` (also ``--name=DIR``); argparse is too slow to import."""
+    """``--workspace DIR --tmp DIR [--root /] [--cwd DIR]`` (also ``--name=DIR``); argparse
+    is too slow to import. ``--root /``: the whole root is the sandbox's own (a template's
+    copy-on-write root), so paths anywhere in it are served; ``--cwd``: where commands
+    start by default (a template's WorkingDir)."""
     options: dict[str, str] = {}
     args = iter(argv)
     for arg in args:
         name, sep, value = arg.partition("=")
-        if name not in ("--workspace", "--tmp"):
+        if name not in ("--workspace", "--tmp", "--root", "--cwd"):
             raise ValueError(f"unknown argument {arg!r}")
         if not sep:
             value = next(args, "")
@@ -298,6 +301,8 @@ def _parse_args(argv: list[str]) -> dict[str, str]:
             raise ValueError(f"--{name} is required")
         if not os.path.isdir(options[name]):
             raise ValueError(f"--{name} {options[name]!r} is not a directory")
+    if options.get("root", "/") != "/":
+        raise ValueError("--root takes only /")
     return options
 
 
@@ -311,7 +316,9 @@ def main(argv: list[str]) -> int:
         (sroot, os.path.realpath(options[name]))
         for sroot, name in zip(paths.SANDBOX_ROOTS, ("workspace", "tmp"), strict=True)
     )
-    st = AgentState(roots, dict(os.environ))
+    if "root" in options:
+        roots += (("/", "/"),)
+    st = AgentState(roots, dict(os.environ), options.get("cwd", "/workspace"))
     signal.signal(signal.SIGTERM, partial(_on_signal, st))
     signal.signal(signal.SIGINT, partial(_on_signal, st))
     ready = {"event": "ready", "pid": os.getpid(), "version": PROTOCOL_VERSION}

@@ -78,11 +78,11 @@ def resolve(roots: Roots, value: Any, *, follow: bool = False, name: str = "path
     for sroot, rroot in roots:
         if spath == sroot:
             return Target(spath, rroot, rroot, True)
-        if spath.startswith(sroot + "/"):
+        if sroot == "/" or spath.startswith(sroot + "/"):  # "/": a template sandbox's root
             break
     else:
         raise outside(value)
-    real = posixpath.join(rroot, spath[len(sroot) + 1 :])
+    real = posixpath.join(rroot, spath[len(sroot) :].lstrip("/"))
     parent = os.path.realpath(posixpath.dirname(real))
     if not inside(parent, rroot):
         raise outside(value)

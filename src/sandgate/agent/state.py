@@ -23,6 +23,7 @@ class AgentState:
 
     __slots__ = (
         "closing",
+        "cwd",
         "groups",
         "groups_lock",
         "handles",
@@ -40,8 +41,14 @@ class AgentState:
         "write_lock",
     )
 
-    def __init__(self, roots: tuple[tuple[str, str], ...], sandbox_env: dict[str, str]) -> None:
-        self.roots = roots  # (sandbox root, real directory): /workspace first
+    def __init__(
+        self,
+        roots: tuple[tuple[str, str], ...],
+        sandbox_env: dict[str, str],
+        cwd: str = "/workspace",
+    ) -> None:
+        self.roots = roots  # (sandbox root, real directory): /workspace first, "/" last if any
+        self.cwd = cwd  # where a command without a cwd starts (a template's WorkingDir)
         self.sandbox_env = sandbox_env  # the agent's own environment at start
         self.write_lock = threading.Lock()  # one response frame at a time on stdout
         # exec (execute.py): process groups started, possibly still alive; closing is set

@@ -127,7 +127,8 @@ class _RunOptions(_In):
 
     timeout: float | None = Field(default=None, gt=0)
     env: dict[str, str] = Field(default_factory=dict)
-    cwd: str = Field(default="/workspace", min_length=1, max_length=4096)
+    # none: /workspace, or the template's WorkingDir
+    cwd: str | None = Field(default=None, min_length=1, max_length=4096)
 
     @field_validator("env")
     @classmethod
@@ -229,7 +230,8 @@ class Move(_In):
 
 class StartProcess(_In):
     command: str = Field(min_length=1, max_length=1 << 20)
-    cwd: str = Field(default="/workspace", min_length=1, max_length=4096)
+    # none: /workspace, or the template's WorkingDir
+    cwd: str | None = Field(default=None, min_length=1, max_length=4096)
     env: dict[str, str] = Field(default_factory=dict)
     timeout: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
 

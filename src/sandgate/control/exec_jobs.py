@@ -53,7 +53,7 @@ class ExecJobRequest:
     command: str
     timeout: float
     env: dict[str, str]
-    cwd: str
+    cwd: str | None  # None: the sandbox's default (/workspace, or its template's WorkingDir)
 
 
 @dataclass(frozen=True)

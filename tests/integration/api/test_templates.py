@@ -79,6 +79,17 @@ def test_oci_image_layers_config_and_copy_on_write(alpha: httpx.Client, oci_temp
         assert lines[5] == "removed-is-gone", "the whiteout deletes the base's file"
         assert lines[6] == "0", "an image whose user is root runs as root (in its namespace)"
         assert "No such file" in lines[7], "the host's /usr is not this sandbox's"
+        assert sh(alpha, first, "pwd")["stdout"] == "/app\n", "WorkingDir is where commands start"
+        # the files API reaches the whole root of a template sandbox (it is the sandbox's own)
+        put = alpha.put(
+            f"/api/v1/sandboxes/{first}/toolbox/files",
+            params={"path": "/etc/from-api"},
+            content=b"written by the files API\n",
+        )
+        assert put.status_code in (200, 201), put.text
+        assert sh(alpha, first, "cat /etc/from-api")["stdout"] == "written by the files API\n"
+        listed = alpha.get(f"/api/v1/sandboxes/{first}/toolbox/files/list", params={"path": "/opq"})
+        assert [e["name"] for e in listed.json()["entries"]] == ["new"], listed.text
         # the root is writable: copy-on-write, inside this sandbox only
         wrote = sh(alpha, first, "echo mine > /usr/bin/added && rm /etc/greeting && echo ok")
         assert wrote["stdout"] == "ok\n", wrote

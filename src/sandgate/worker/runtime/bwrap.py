@@ -80,8 +80,9 @@ def agent_argv() -> list[str]:
     ]
 
 
-def image_agent_argv(loader: str, library_dir: str, python: str) -> list[str]:
-    """The agent of a template sandbox: host paths given under HOST_USR_MOUNT's view."""
+def image_agent_argv(loader: str, library_dir: str, python: str, *, cwd: str) -> list[str]:
+    """The agent of a template sandbox: host paths given under HOST_USR_MOUNT's view; the
+    whole copy-on-write root is the sandbox's own, and commands start in `cwd`."""
 
     def inside(path: str) -> str:
         return HOST_USR_MOUNT + path.removeprefix("/usr")
@@ -92,7 +93,21 @@ def image_agent_argv(loader: str, library_dir: str, python: str) -> list[str]:
         inside(library_dir),
         inside(python),
         *agent_argv()[1:],
+        "--root",
+        "/",
+        "--cwd",
+        cwd,
     ]
+
+
+def image_workdir(image: ImageSpec) -> str:
+    """Where a template sandbox's commands start: its WorkingDir, else /workspace."""
+    workdir = image.workdir
+    if not workdir:
+        return "/workspace"
+    if not workdir.startswith("/") or "\0" in workdir or "/../" in f"{workdir}/":
+        raise InvalidRequestError(f"the template's WorkingDir {workdir!r} is not an absolute path")
+    return workdir
 
 
 def image_uid(image: ImageSpec) -> int:
@@ -258,7 +273,7 @@ class BwrapRuntime:
             elif self._host_python is None:
                 raise WorkerError("this host's Python cannot run the agent in a template sandbox")
             else:
-                argv = image_agent_argv(*self._host_python)
+                argv = image_agent_argv(*self._host_python, cwd=image_workdir(spec.image))
             self._check_agent_dir()
         if not argv:
             raise InvalidRequestError("empty argv")
@@ -446,6 +461,8 @@ class BwrapRuntime:
             cmd += ["--remount-ro", "/"]
         else:
             cmd += ["--ro-bind", "/usr", HOST_USR_MOUNT]
+            assert spec.image is not None
+            cmd += ["--dir", image_workdir(spec.image)]  # OCI: a WorkingDir is made if missing
         cmd += [
             "--chdir",
             "/workspace",
