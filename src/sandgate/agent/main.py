@@ -80,6 +80,7 @@ def _registry(st: AgentState) -> procs.Registry:
                     env=partial(execute.exec_env, st),
                     cwd=partial(execute.exec_cwd, st),
                     which=partial(execute.which, st),
+                    python=st.python,
                 ),
             )
         return st.registry
@@ -284,12 +285,14 @@ def _parse_args(argv: list[str]) -> dict[str, str]:
     """``--workspace DIR --tmp DIR [--root /] [--cwd DIR]`` (also ``--name=DIR``); argparse
     is too slow to import. ``--root /``: the whole root is the sandbox's own (a template's
     copy-on-write root), so paths anywhere in it are served; ``--cwd``: where commands
-    start by default (a template's WorkingDir)."""
+    start by default (a template's WorkingDir); ``--loader L --library-path D``: the agent
+    runs on a Python started by that dynamic loader (a template sandbox's agent runs on the
+    host's), and so do the programs it starts (kernel_bridge)."""
     options: dict[str, str] = {}
     args = iter(argv)
     for arg in args:
         name, sep, value = arg.partition("=")
-        if name not in ("--workspace", "--tmp", "--root", "--cwd"):
+        if name not in ("--workspace", "--tmp", "--root", "--cwd", "--loader", "--library-path"):
             raise ValueError(f"unknown argument {arg!r}")
         if not sep:
             value = next(args, "")
@@ -319,6 +322,9 @@ def main(argv: list[str]) -> int:
     if "root" in options:
         roots += (("/", "/"),)
     st = AgentState(roots, dict(os.environ), options.get("cwd", "/workspace"))
+    if "loader" in options:
+        library = options.get("library-path", "")
+        st.python = (options["loader"], "--library-path", library, sys.executable)
     signal.signal(signal.SIGTERM, partial(_on_signal, st))
     signal.signal(signal.SIGINT, partial(_on_signal, st))
     ready = {"event": "ready", "pid": os.getpid(), "version": PROTOCOL_VERSION}

@@ -93,12 +93,15 @@ class Registry:
         env: Callable[[Header], dict[str, str]],
         cwd: Callable[[Header], str],
         which: Callable[[str], str],
+        python: tuple[str, ...] = (),
     ) -> None:
         """``env``/``cwd`` build a command's environment and real working directory from a
-        request (as exec does); ``which`` finds an executable or raises ``AgentError``."""
+        request (as exec does); ``which`` finds an executable or raises ``AgentError``;
+        ``python`` runs the programs deployed beside the agent (default: its own Python)."""
         self._env = env
         self._cwd = cwd
         self._which = which
+        self._python = python or (sys.executable,)
         self._lock = threading.RLock()  # re-entered when a signal arrives during shutdown
         self._entries: dict[int, Entry] = {}
         # process groups of forgotten entries whose children outlived them
@@ -301,7 +304,7 @@ class Registry:
             if program not in PROGRAMS:
                 raise self._invalid(f"'program' must be one of {', '.join(PROGRAMS)}")
             here = os.path.dirname(os.path.abspath(__file__))
-            given = [sys.executable, "-I", os.path.join(here, f"{program}.py"), *(given or [])]
+            given = [*self._python, "-I", os.path.join(here, f"{program}.py"), *(given or [])]
         if given is None:
             command = self._command(req, required=True)
             assert command is not None

@@ -29,6 +29,7 @@ class AgentState:
         "handles",
         "handles_lock",
         "next_handle",
+        "python",
         "queues",
         "queues_lock",
         "registry",
@@ -49,6 +50,7 @@ class AgentState:
     ) -> None:
         self.roots = roots  # (sandbox root, real directory): /workspace first, "/" last if any
         self.cwd = cwd  # where a command without a cwd starts (a template's WorkingDir)
+        self.python: tuple[str, ...] = ()  # runs programs beside the agent (): its own
         self.sandbox_env = sandbox_env  # the agent's own environment at start
         self.write_lock = threading.Lock()  # one response frame at a time on stdout
         # exec (execute.py): process groups started, possibly still alive; closing is set

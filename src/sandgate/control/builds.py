@@ -41,8 +41,6 @@ from sandgate.core.build_spec import BuildSpec, BuildSpecError, Config, Step, st
 from sandgate.core.clock import utcnow
 from sandgate.core.output import decode_output
 from sandgate.errors import (
-    ConflictError,
-    ForbiddenError,
     InvalidRequestError,
     NotFoundError,
     SandgateError,
@@ -52,6 +50,7 @@ from sandgate.store.base import BuildRecord, Store, TemplateRecord, TenantId
 
 log = logging.getLogger(__name__)
 
+BUILDER_TENANT = "sandgate-builder"  # runs the steps of public builds (an admin key's)
 MAX_BUILD_LOG = 1 << 20  # characters of a build's log kept (the last ones)
 BUILDS_KEPT = 100  # per owner
 STEP_SANDBOX_GRACE = 300.0  # a step's sandbox outlives its command's timeout by this
@@ -97,14 +96,11 @@ class BuildService:
         """Run the build, yielding its events: `build` {id, steps}, then per step `step`
         {index, step} and `log` {text} lines and `step_done` {index, cached, layer}, and at
         the end `done` {template} or `error` {message, step}."""
-        if tenant is None:
-            raise ForbiddenError(
-                "a build runs its steps in the tenant's own sandboxes: build with a tenant "
-                "key (an admin key imports public templates)"
-            )
+        owner = self.templates.owner_of(tenant)  # an admin's build is public
         check_name(name)
-        if name in self.settings.templates:
-            raise ConflictError(f"{name!r} is a built-in template: choose another name")
+        self.templates.check_builtin(tenant, name)
+        if tenant is None:  # its steps run as the builder's own tenant, counted like any
+            tenant = (await self.store.ensure_tenant(BUILDER_TENANT)).id
         base = await self.templates.resolve(tenant, spec.base)
         if base.image is None:
             raise BuildSpecError(
@@ -113,7 +109,6 @@ class BuildService:
             )
         if any(step.kind == "copy" for step in spec.steps) and context is None:
             raise BuildSpecError("the build has copy steps but no build context was sent")
-        owner = self.templates.owner_of(tenant)
         record = BuildRecord(
             id=uuid.uuid4().hex,
             owner=owner,

@@ -50,6 +50,10 @@ class Resolved:
         return sum(int(x["size"]) for x in (self.image or {}).get("layers", []))
 
 
+def _provisioned(record: TemplateRecord) -> dict[str, Any]:
+    return {**record.image, "digest": record.digest}
+
+
 def check_name(name: str) -> None:
     if not NAME_RE.fullmatch(name):
         raise InvalidRequestError(
@@ -84,7 +88,9 @@ class TemplateService:
     # -- resolving (every create) -----------------------------------------------------------
     async def resolve(self, tenant: TenantId, name: str) -> Resolved:
         if name in self.settings.templates:
-            return Resolved(name, None)
+            # a built-in, unless the operator published an image under its name
+            public = await self.store.get_template(PUBLIC_OWNER, name)
+            return Resolved(name, None if public is None else _provisioned(public))
         record = await self.store.get_template(tenant, name)
         if record is None:
             record = await self.store.get_template(PUBLIC_OWNER, name)
@@ -95,7 +101,17 @@ class TemplateService:
                 f"NAME FILE), or use a built-in ({known})",
                 code="template_not_found",
             )
-        return Resolved(name, {**record.image, "digest": record.digest})
+        return Resolved(name, _provisioned(record))
+
+    async def public_image(self, name: str) -> dict[str, Any] | None:
+        """What a worker's pool of `name` starts from: the public image of that name, None for
+        a built-in not replaced by one; an unknown name is a NotFoundError."""
+        record = await self.store.get_template(PUBLIC_OWNER, name)
+        if record is not None:
+            return _provisioned(record)
+        if name in self.settings.templates:
+            return None
+        raise NotFoundError(f"no public template {name!r} to pool", code="template_not_found")
 
     # -- managing -----------------------------------------------------------------------------
     def owner_of(self, tenant: TenantId | None) -> str:
@@ -130,14 +146,22 @@ class TemplateService:
             if gone:
                 log.info("templates.blobs_swept", extra={"blobs": gone})
 
+    def check_builtin(self, tenant: TenantId | None, name: str) -> None:
+        """A built-in name is the operator's: an admin may publish an image under it (every
+        create of that name then starts the image), a tenant may not take it."""
+        if name in self.settings.templates and tenant is not None:
+            raise ConflictError(
+                f"{name!r} is a built-in template: choose another name (an operator may "
+                "replace a built-in with a public image, using an admin key)"
+            )
+
     async def import_archive(
         self, tenant: TenantId | None, name: str, path: Path
     ) -> TemplateRecord:
         """Record `name` (the caller's, or public for an admin) as the image in the archive
         at `path`, replacing a template of that name."""
         check_name(name)
-        if name in self.settings.templates:
-            raise ConflictError(f"{name!r} is a built-in template: choose another name")
+        self.check_builtin(tenant, name)
         parsed = await asyncio.to_thread(image_archive.parse, path)
         await self._sweep()
         for layer in parsed.layers:

@@ -278,6 +278,7 @@ def assemble(
         if channel is None:
             service.notify = None
             service.fetch_chunk = None
+            service.fetch_template = None
             return
 
         async def notify(event: str, fields: dict[str, Any]) -> None:
@@ -287,8 +288,14 @@ def assemble(
             _, chunk = await channel.request("blob", {"digest": digest, "offset": offset})
             return chunk
 
+        async def fetch_template(name: str) -> dict[str, Any] | None:
+            reply, _ = await channel.request("template", {"name": name})
+            image = reply.get("image")
+            return image if isinstance(image, dict) else None
+
         service.notify = notify
         service.fetch_chunk = fetch_chunk
+        service.fetch_template = fetch_template
 
     client = TunnelClient(
         settings.server_url,

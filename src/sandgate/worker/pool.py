@@ -10,27 +10,33 @@ Pooled sandboxes count in the worker's capacity and budget: the worker reports i
 and budget less the pools' share, so the control plane (which counts what it places, exactly,
 in the store) never places more than the host holds.
 
-Templates the worker knows how to start (their root is the host's, so far):
+Templates a pool may hold:
 
-* `default`: the sandbox as it always was;
+* `default`: the host's root, the sandbox as it always was;
 * `code-interpreter`: the same, with its default code context (an IPython kernel:
-  agent/kernel_bridge.py) started at boot. A pooled one is handed out with its kernel ready.
+  agent/kernel_bridge.py) started at boot. A pooled one is handed out with its kernel ready;
+* any public template (an image): the worker asks the control plane for its image when it
+  starts a pool sandbox (`template` request), so a pool follows a template that is replaced;
+  a public image named `code-interpreter` (an operator's) takes the built-in's place, kernel
+  and all.
 
 This module holds the pure parts: which sandboxes match, what a pool reserves.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from sandgate.worker.runtime.base import SandboxSpec
+from sandgate.worker.runtime.base import ImageSpec, SandboxSpec
 
 TEMPLATES = ("default", "code-interpreter")
 BOOT_CONTEXT = MappingProxyType({"code-interpreter": "default"})  # template -> its context
 POOL_NAME_PREFIX = "pool-"
+TEMPLATE_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")  # control/templates.NAME_RE
 
 
 def parse_pools(given: list[str]) -> dict[str, int]:
@@ -38,20 +44,28 @@ def parse_pools(given: list[str]) -> dict[str, int]:
     pools: dict[str, int] = {}
     for item in given:
         template, eq, count = item.partition("=")
-        if not eq or template not in TEMPLATES or not count.isdigit() or int(count) > 1000:
+        valid = TEMPLATE_NAME.fullmatch(template)
+        if not eq or not valid or not count.isdigit() or int(count) > 1000:
             raise ValueError(
-                f"--pool {item!r}: give TEMPLATE=N, N at most 1000, TEMPLATE one of "
-                f"{', '.join(TEMPLATES)}"
+                f"--pool {item!r}: give TEMPLATE=N, N at most 1000, TEMPLATE a built-in "
+                f"({', '.join(TEMPLATES)}) or a public template's name"
             )
         pools[template] = int(count)
     return {template: n for template, n in pools.items() if n > 0}
 
 
-def pooled_spec(template: str) -> SandboxSpec:
+def pooled_spec(template: str, image: ImageSpec | None = None) -> SandboxSpec:
     """A pool sandbox: the default resources, no network, a name of its own (its hostname)."""
     return SandboxSpec(
-        name=POOL_NAME_PREFIX + secrets.token_hex(6), template=template, network=False
+        name=POOL_NAME_PREFIX + secrets.token_hex(6),
+        template=template,
+        network=False,
+        image=image,
     )
+
+
+def image_digest(spec: SandboxSpec) -> str | None:
+    return None if spec.image is None else spec.image.digest
 
 
 def matches(pooled: SandboxSpec, wanted: SandboxSpec) -> bool:
@@ -60,6 +74,7 @@ def matches(pooled: SandboxSpec, wanted: SandboxSpec) -> bool:
         wanted.pool
         and not wanted.network
         and pooled.template == wanted.template
+        and image_digest(pooled) == image_digest(wanted)
         and pooled.resources() == wanted.resources()
     )
 

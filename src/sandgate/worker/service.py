@@ -12,7 +12,8 @@ Tunnel operations (server → worker):
 | `export_root` | `name` | `digest`, `size`, `entries` of its root's changes as a layer |
 | `export_read` | `name`, `offset` | up to `BLOB_CHUNK` bytes of that layer (empty at its end) |
 
-Requests (worker → server): `blob` {digest, offset} → up to 4 MiB of an image
+Requests (worker → server): `template` {name} → `image` (null: the built-in) for a pool;
+`blob` {digest, offset} → up to 4 MiB of an image
 layer from offset, empty past its end (`images.LayerCache` fetches the layers it lacks).
 
 Events (worker → server): `hello` on connect and `heartbeat` (both carry `sandboxes`, what
@@ -86,6 +87,8 @@ class WorkerService:
         self.faults = faults
         self.notify: Notify | None = None  # set while a tunnel is up
         self.fetch_chunk: FetchChunk | None = None  # likewise: reads image layers (`blob`)
+        # likewise: a public template's image for a pool (`template`), None for a built-in
+        self.fetch_template: Callable[[str], Awaitable[dict[str, Any] | None]] | None = None
         store = getattr(runtime, "layer_store", None)
         self.layers = None if store is None else LayerCache(store, state.layer_fetches)
         self.shutting_down = False  # run() is destroying everything on its way out
@@ -394,6 +397,17 @@ class WorkerService:
     async def _from_pool(self, spec: SandboxSpec) -> LiveSandbox | None:
         """A pooled sandbox for this provision, handed out under its name, or None."""
         ready = self.state.pool.get(spec.template, [])
+        stale = [
+            live
+            for live in ready
+            if pool.image_digest(live.running.spec) != pool.image_digest(spec)
+        ]
+        for live in stale:  # the template was replaced since they started: they go
+            ready.remove(live)
+            self._forget(live)
+            self._teardown_task(live.name)
+        if stale:
+            self.state.pool_wanted.set()
         found = next((live for live in ready if pool.matches(live.running.spec, spec)), None)
         if found is None:
             return None
@@ -460,9 +474,18 @@ class WorkerService:
             return False
         return True
 
+    async def _pool_image(self, template: str) -> ImageSpec | None:
+        """The image a pool of `template` starts from now: None for a built-in the operator
+        has not replaced with a public image of that name (asked of the control plane)."""
+        if self.fetch_template is None:
+            if template in pool.TEMPLATES:
+                return None
+            raise WorkerError(f"no tunnel to ask for template {template!r}")
+        return _image(await self.fetch_template(template))
+
     async def _start_pooled(self, template: str) -> None:
-        spec = pool.pooled_spec(template)
         try:
+            spec = pool.pooled_spec(template, await self._pool_image(template))
             live = await self._start(spec)
             try:
                 if template in pool.BOOT_CONTEXT:

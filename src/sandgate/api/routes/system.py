@@ -124,7 +124,13 @@ async def tunnel(ws: WebSocket) -> None:
         return
 
     async def worker_request(header: Header, payload: bytes) -> tuple[Header, bytes]:
-        """What a worker asks of the control plane: only its image layers' bytes."""
+        """What a worker asks of the control plane: the image of a public template it pools,
+        and its image layers' bytes."""
+        if header.get("op") == "template":
+            name = header.get("name")
+            if not isinstance(name, str):
+                raise InvalidRequestError("template takes a name")
+            return {"image": await svc.templates.public_image(name)}, b""
         if header.get("op") != "blob":
             raise InvalidRequestError(f"unknown request {header.get('op')!r} from a worker")
         digest, offset = header.get("digest"), header.get("offset")

@@ -97,6 +97,10 @@ def image_agent_argv(loader: str, library_dir: str, python: str, *, cwd: str) ->
         "/",
         "--cwd",
         cwd,
+        "--loader",
+        inside(loader),
+        "--library-path",
+        inside(library_dir),
     ]
 
 
