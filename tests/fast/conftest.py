@@ -95,7 +95,12 @@ async def fast_deployment(
         link = MemoryLink()
         tasks = [
             asyncio.create_task(
-                serve_tunnel(link.server, services.workers, token_hash=key_hash(token))
+                serve_tunnel(
+                    link.server,
+                    services.workers,
+                    token_hash=key_hash(token),
+                    handler=services.templates.answer_worker,
+                )
             ),
             asyncio.create_task(service.run(lambda: client.serve_link(link.worker))),
         ]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sandgate.agent.frames import Header
 from sandgate.config import ServerSettings
 from sandgate.control import image_archive
 from sandgate.control.image_archive import ArchiveLayer, ParsedArchive
@@ -207,7 +208,23 @@ class TemplateService:
                 tar.close()
         await self.store.complete_blob(layer.digest)
 
-    # -- workers' fetches -------------------------------------------------------------------------
+    # -- workers' requests (over their tunnels) ------------------------------------------------
+    async def answer_worker(self, header: Header, payload: bytes) -> tuple[Header, bytes]:
+        """What a worker asks of the control plane: `template` (the image of a public
+        template it pools) and `blob` (its image layers' bytes)."""
+        op = header.get("op")
+        if op == "template":
+            name = header.get("name")
+            if not isinstance(name, str):
+                raise InvalidRequestError("template takes a name")
+            return {"image": await self.public_image(name)}, b""
+        if op == "blob":
+            digest, offset = header.get("digest"), header.get("offset")
+            if not isinstance(digest, str) or not isinstance(offset, int):
+                raise InvalidRequestError("blob takes a digest (string) and an offset (integer)")
+            return {}, await self.read_chunk(digest, offset)
+        raise InvalidRequestError(f"unknown request {op!r} from a worker")
+
     async def read_chunk(self, digest: str, offset: int) -> bytes:
         if offset < 0:
             raise InvalidRequestError("offset must be >= 0")

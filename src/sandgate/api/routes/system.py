@@ -8,10 +8,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from sandgate.agent.frames import Header
 from sandgate.api.deps import Services, Viewer, presented_key, resolve_key, services, viewer
 from sandgate.core.clock import utcnow
-from sandgate.errors import AuthError, InvalidRequestError, StoreError
+from sandgate.errors import AuthError, StoreError
 from sandgate.tunnel.hub import serve_tunnel
 
 router = APIRouter()
@@ -123,19 +122,6 @@ async def tunnel(ws: WebSocket) -> None:
         )
         return
 
-    async def worker_request(header: Header, payload: bytes) -> tuple[Header, bytes]:
-        """What a worker asks of the control plane: the image of a public template it pools,
-        and its image layers' bytes."""
-        if header.get("op") == "template":
-            name = header.get("name")
-            if not isinstance(name, str):
-                raise InvalidRequestError("template takes a name")
-            return {"image": await svc.templates.public_image(name)}, b""
-        if header.get("op") != "blob":
-            raise InvalidRequestError(f"unknown request {header.get('op')!r} from a worker")
-        digest, offset = header.get("digest"), header.get("offset")
-        if not isinstance(digest, str) or not isinstance(offset, int):
-            raise InvalidRequestError("blob takes a digest (string) and an offset (integer)")
-        return {}, await svc.templates.read_chunk(digest, offset)
-
-    await serve_tunnel(ws, svc.workers, token_hash=key.key_hash, handler=worker_request)
+    await serve_tunnel(
+        ws, svc.workers, token_hash=key.key_hash, handler=svc.templates.answer_worker
+    )
