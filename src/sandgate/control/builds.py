@@ -238,7 +238,7 @@ class BuildService:
             "cmd": [],
         }
         image["digest"] = image_digest(image)
-        resources = caps.resolve({}, self.settings.caps)
+        resources = caps.resolve(dict(spec.resources), self.settings.caps)
         request = CreateRequest(
             template=f"build-step:{build_id[:12]}",
             timeout=step.timeout + STEP_SANDBOX_GRACE,

@@ -4,6 +4,7 @@ A build file (``template.toml``, or the same document as JSON)::
 
     from = "py312"              # the template it starts from (an image)
     network = false             # run steps get network (the worker must allow it)
+    resources = { disk_mb = 4096 }  # of each run step's sandbox (the operator's caps apply)
     cmd = ["python3", "app.py"] # optional: the image's command
 
     [[steps]]
@@ -37,6 +38,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from sandgate.core.caps import RESOURCES
 from sandgate.errors import InvalidRequestError
 
 StepKind = Literal["run", "copy", "env", "workdir", "user"]
@@ -85,6 +87,7 @@ class BuildSpec:
     steps: tuple[Step, ...]
     network: bool = False
     cmd: tuple[str, ...] | None = None
+    resources: tuple[tuple[str, int | float], ...] = ()  # asked for the run steps' sandboxes
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ def parse(document: Any) -> BuildSpec:
     """A build file's document (parsed TOML or JSON) as a BuildSpec; refuses what is wrong."""
     if not isinstance(document, dict):
         raise BuildSpecError("a build is an object with 'from' and 'steps'")
-    unknown = set(document) - {"from", "steps", "network", "cmd"}
+    unknown = set(document) - {"from", "steps", "network", "cmd", "resources"}
     if unknown:
         raise BuildSpecError(f"unknown build keys: {', '.join(sorted(unknown))}")
     base = document.get("from")
@@ -136,8 +139,20 @@ def parse(document: Any) -> BuildSpec:
     cmd = document.get("cmd")
     if cmd is not None and (not isinstance(cmd, list) or not all(isinstance(x, str) for x in cmd)):
         raise BuildSpecError("'cmd' is a list of strings")
+    resources = document.get("resources") or {}
+    if not isinstance(resources, dict) or not all(
+        key in RESOURCES and isinstance(value, int | float) and not isinstance(value, bool)
+        for key, value in resources.items()
+    ):
+        raise BuildSpecError(f"'resources' is a table of {', '.join(RESOURCES)} = number")
     steps = tuple(_step(index, raw) for index, raw in enumerate(raw_steps, 1))
-    return BuildSpec(base, steps, network, tuple(cmd) if cmd is not None else None)
+    return BuildSpec(
+        base,
+        steps,
+        network,
+        tuple(cmd) if cmd is not None else None,
+        tuple(sorted(resources.items())),
+    )
 
 
 def _step(index: int, raw: Any) -> Step:
