@@ -1,0 +1,110 @@
+"""sandgate benchmark: E2B's code interpreter on the shipped Debian image vs the host root.
+
+    .venv/bin/python bench/code_interpreter_image.py [--n 100] [--creates 10]
+
+Starts a real `sandgate server` (SQLite) and a bwrap worker with `--allow-network --pool
+code-interpreter=3`, measures E2B's code interpreter SDK on the built-in `code-interpreter`
+(the host's root: the baseline), then builds the shipped image with `scripts/build-templates`
+(Debian bookworm minbase + ipykernel, numpy, pandas, matplotlib: it needs the Debian mirror)
+and measures the same on it: create-to-first-`run_code` from the pool and cold, warm
+`run_code("1+1")`, idle PSS of a sandbox with its kernel. Also prints how long the build
+took. Medians of one run on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench as base  # noqa: E402  (bench/bench.py: its E2B code interpreter measurement)
+
+from sandgate.cli import launch  # noqa: E402
+
+
+def line(what: str, values: list[float]) -> str:
+    return f"{what:<46} {base.summary(values)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, default=100, help="warm run_code samples")
+    parser.add_argument("--creates", type=int, default=10, help="create samples")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="sandgate-bench-ci-"))
+    state_dir = Path("/var/lib/sandgate-bench") / uuid.uuid4().hex[:8]
+    db = f"sqlite:///{work / 'bench.db'}"
+    key = base.sandgate("keys", "create", "--db", db, "--tenant", "bench")
+    admin = base.sandgate("keys", "create", "--db", db, "--admin")
+    token = base.sandgate("keys", "create", "--db", db, "--worker")
+    port = base.free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = work / "bench.log"
+    server = launch.start(
+        launch.server_argv("--db", db, "--port", str(port), "--log-level", "WARNING"), log=log
+    )
+    worker = launch.start(
+        launch.worker_argv(
+            url,
+            "bench",
+            runtime="bwrap",
+            capacity=16,
+            state_dir=state_dir,
+            extra=("--log-level", "WARNING", "--allow-network", "--pool=code-interpreter=3"),
+        ),
+        log=log,
+        env=launch.child_env(token=token),
+    )
+    try:
+        launch.wait_worker(url, key, proc=worker, log=log, interval=0.1, what="the worker")
+        time.sleep(5)  # the pool fills
+        host = base.code_interpreter(url, key, args.n, args.creates)
+        began = time.perf_counter()
+        subprocess.run(
+            [str(ROOT / "scripts" / "build-templates"), url, admin],
+            check=True,
+            capture_output=True,
+            timeout=1800,
+        )
+        build_s = time.perf_counter() - began
+        base.code_interpreter(url, key, 1, 3)  # the first hand-outs replace the stale pool
+        time.sleep(10)
+        image = base.code_interpreter(url, key, args.n, args.creates)
+    finally:
+        for proc in (worker, server):
+            proc.send_signal(signal.SIGTERM)
+        for proc in (worker, server):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        shutil.rmtree(state_dir, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"sandgate bench code interpreter image  cpus={os.cpu_count()}")
+    print(f"build     scripts/build-templates (bootstrap + build)  {build_s:8.1f} s")
+    for label, result in (("host root", host), ("image", image)):
+        firsts, colds, warm, idle = result
+        print(line(f"{label:<9} create-to-first-run_code (pool)", firsts))
+        print(line(f"{label:<9} create-to-first-run_code (cold)", colds))
+        print(line(f"{label:<9} run_code('1+1') warm", warm))
+        if idle is not None:
+            print(f"{label:<9} PSS of an idle sandbox with its kernel  {idle:8.1f} MiB")
+    ratio = statistics.median(image[0]) / statistics.median(host[0])
+    print(f"ratio     image / host root, pooled first run_code  {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
