@@ -1,4 +1,5 @@
-"""One code context: a real IPython kernel, driven over jupyter_client's IPC transport.
+"""One code context: a real IPython kernel, driven over jupyter_client's IPC transport, or
+(``--language bash``) a persistent bash shell (`ShellBridge`).
 
 Deployed next to the agent (`sandgate.agent.EXTRA_FILES`) but not imported by it: the control
 plane starts it as an ordinary background process of the sandbox (`proc_start`, tagged with
@@ -25,9 +26,13 @@ can be restarted. The kernel's sockets are files in /tmp (no network), its state
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
+import secrets
+import shlex
+import signal
 import sys
 import tempfile
 import threading
@@ -227,7 +232,7 @@ class Bridge:
             if op == "run":
                 self.runs.put(request)
             elif op == "interrupt":
-                self.manager.interrupt_kernel()
+                self.interrupt()
             elif op == "restart":
                 self.runs.put({"op": "restart"})
             elif op == "env":  # a pooled sandbox handed out: its environment, for good
@@ -258,10 +263,184 @@ class Bridge:
                 if request.get("op") == "run":
                     self.emit("end_of_execution", request.get("run"))
 
+    def interrupt(self) -> None:
+        self.manager.interrupt_kernel()
+
     def close(self) -> None:
         if self.client is not None:
             self.client.stop_channels()
         self.manager.shutdown_kernel(now=True)
+
+
+class ShellBridge(Bridge):
+    """A `bash` context: one persistent bash (variables, functions, the working directory
+    and exports survive from run to run). A run is the code `eval`ed in it with stdin from
+    /dev/null, then a marker with its exit status written to both streams, so the bridge
+    knows where each run's output ends; a non-zero status is an `error` named
+    `CommandExitError`. An interrupt (a timeout, a client gone) is SIGINT to the commands;
+    the shell itself traps it and lives on. `exit` ends the shell: the context says so and
+    can be restarted."""
+
+    def __init__(self, context: str, cwd: str) -> None:  # no kernel manager: no jupyter
+        self.context = context
+        self.cwd = cwd
+        self.out_lock = threading.Lock()
+        self.pending = []
+        self.runs = queue.Queue()
+        self.shell: Any = None
+        self.streams: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.count = 0
+
+    def start(self) -> None:
+        import subprocess
+
+        env = {k: v for k, v in os.environ.items() if k != "JPY_PARENT_PID"}
+        self.shell = subprocess.Popen(
+            ["bash", "--noprofile", "--norc"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=self.cwd,
+            env=env,
+            start_new_session=True,  # its own process group: an interrupt reaches its commands
+        )
+        self.streams = queue.Queue()
+        for name, pipe in (("stdout", self.shell.stdout), ("stderr", self.shell.stderr)):
+            threading.Thread(target=self._pump, args=(name, pipe), daemon=True).start()
+        self._send("trap 'true' INT\n")  # the shell survives an interrupt; its commands do not
+
+    def _pump(self, name: str, pipe: Any) -> None:
+        while chunk := os.read(pipe.fileno(), 65536):
+            self.streams.put((name, chunk))
+        self.streams.put((name, b""))
+
+    def _send(self, text: str) -> bool:
+        try:
+            self.shell.stdin.write(text.encode())
+            self.shell.stdin.flush()
+            return True
+        except (BrokenPipeError, ValueError, OSError):
+            return False
+
+    def alive(self) -> bool:
+        return self.shell is not None and self.shell.poll() is None
+
+    def restart(self) -> None:
+        self.close()
+        self.start()
+
+    def interrupt(self) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.shell.pid, signal.SIGINT)
+
+    def close(self) -> None:
+        if self.shell is not None and self.shell.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.shell.pid, signal.SIGKILL)
+            self.shell.wait()
+
+    def silent(self, code: str) -> None:
+        pass  # env is given to each run's eval (below)
+
+    def run(self, request: dict[str, Any]) -> None:
+        run = str(request.get("run"))
+        env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
+        try:
+            self.execute_shell(run, str(request.get("code", "")), env, request.get("timeout"))
+        finally:
+            self.emit("end_of_execution", run)
+
+    def execute_shell(
+        self, run: str, code: str, env: dict[str, str], timeout: float | None
+    ) -> None:
+        if not self.alive():
+            self.emit(
+                "error",
+                run,
+                name="KernelDied",
+                value="the shell is not running: restart the context",
+                traceback="",
+            )
+            return
+        self.count += 1
+        self.emit("number_of_executions", run, execution_count=self.count)
+        marker = f"__sandgate_end_{secrets.token_hex(8)}__"
+        save = restore = ""
+        if env:  # the variables hold for this run only
+            save = "__sg_saved=$(export -p); " + "".join(
+                f"export {k}={shlex.quote(v)}; " for k, v in env.items()
+            )
+            restore = "".join(f"unset {k}; " for k in env) + 'eval "$__sg_saved"; '
+        script = (
+            f"{save}eval {shlex.quote(code)} < /dev/null; __sg_rc=$?; {restore}"
+            f"printf '\\n{marker}%s\\n' \"$__sg_rc\"; printf '\\n{marker}\\n' >&2\n"
+        )
+        if not self._send(script):
+            self.emit("error", run, name="KernelDied", value="the shell exited", traceback="")
+            return
+        deadline = None if not timeout else time.monotonic() + float(timeout)
+        done: dict[str, bool] = {"stdout": False, "stderr": False}
+        held: dict[str, bytes] = {"stdout": b"", "stderr": b""}
+        status: int | None = None
+        interrupted = ended = False
+        token = marker.encode()
+        while not all(done.values()):
+            try:
+                name, chunk = self.streams.get(timeout=BURST_SECONDS if self.pending else 0.5)
+            except queue.Empty:
+                self.flush()
+                if not self.alive():
+                    break
+                if deadline is not None and time.monotonic() > deadline and not interrupted:
+                    interrupted = True
+                    self.interrupt()
+                    self.emit(
+                        "error",
+                        run,
+                        name="TimeoutError",
+                        value=f"the code ran longer than its timeout of {timeout} s "
+                        "and was interrupted",
+                        traceback="",
+                    )
+                continue
+            if not chunk:  # the shell exited (`exit` in the code): what it held goes out
+                if held[name]:
+                    self.hold(name, run, text=held[name].decode(errors="replace"), timestamp=_now())
+                    held[name] = b""
+                done[name] = ended = True
+                continue
+            data = held[name] + chunk
+            at = data.find(b"\n" + token)
+            if at >= 0:
+                tail = data[at + 1 + len(token) :]
+                if name == "stdout":
+                    digits = tail.split(b"\n", 1)[0]
+                    status = int(digits) if digits.strip().isdigit() else None
+                text, held[name], done[name] = data[:at], b"", True
+            else:
+                keep = len(token) + 1  # a marker may be cut between two reads
+                text, held[name] = data[:-keep], data[-keep:]
+            if text:
+                self.hold(name, run, text=text.decode(errors="replace"), timestamp=_now())
+        self.flush()
+        if ended or not all(done.values()):
+            exit_status = self.shell.wait() if self.shell is not None else None
+            self.emit(
+                "error",
+                run,
+                name="KernelDied",
+                value=f"the shell exited (status {exit_status}): restart the context",
+                traceback="",
+            )
+        elif status and not interrupted:
+            self.emit(
+                "error",
+                run,
+                name="CommandExitError",
+                value=f"exit status {status}",
+                traceback="",
+            )
 
 
 def _bundle(data: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -289,8 +468,9 @@ def main() -> int:
     # the directory as the sandbox names it (listed back); the kernel starts in this
     # process's working directory, which the agent made that same directory
     parser.add_argument("--cwd", default="/workspace")
+    parser.add_argument("--language", default="python", choices=("python", "bash"))
     args = parser.parse_args()
-    bridge = Bridge(args.context, os.getcwd())
+    bridge = (ShellBridge if args.language == "bash" else Bridge)(args.context, os.getcwd())
     try:
         bridge.start()
     except Exception as exc:

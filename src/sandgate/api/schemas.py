@@ -152,7 +152,7 @@ class ExecuteOut(BaseModel):
 
 
 class CreateCodeContext(_In):
-    language: Literal["python"] = "python"
+    language: Literal["python", "bash"] = "python"
     cwd: str | None = Field(default=None, min_length=1, max_length=4096)
 
 
@@ -166,6 +166,8 @@ class RunCode(_In):
     code: str
     timeout: float | None = Field(default=None, gt=0, description="seconds; then interrupted")
     env: dict[str, str] = Field(default_factory=dict)
+    # /run-code: the default context of this language (a context's own run: ignored)
+    language: Literal["python", "bash"] | None = None
 
     @field_validator("env")
     @classmethod

@@ -495,6 +495,7 @@ async def _run_code(
     on_stderr: Callable[[OutputMessage], Any] | None,
     on_result: Callable[[Result], Any] | None,
     on_error: Callable[[ExecutionError], Any] | None,
+    language: str | None = None,
 ) -> Execution:
     """`Sandbox.run_code`: POST the code, read the server-sent events as they come, each
     given to its callback at once. Never retried once sent (the code could run twice); a
@@ -510,7 +511,7 @@ async def _run_code(
         "POST",
         path,
         safety=Safety.UNSAFE,
-        json=run_code_body(code, env, timeout),
+        json=run_code_body(code, env, timeout, language if context is None else None),
         stream=True,
         timeouts=api.stream_timeout(read),
     )

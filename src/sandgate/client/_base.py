@@ -359,9 +359,11 @@ def event_offset(event: ServerEvent, current: int) -> int:
 
 
 def run_code_body(
-    code: str, env: Mapping[str, str] | None, timeout: float | None
+    code: str, env: Mapping[str, str] | None, timeout: float | None, language: str | None = None
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"code": code}
+    if language is not None:
+        body["language"] = language
     if env:
         body["env"] = dict(env)
     if timeout is not None:

@@ -434,9 +434,11 @@ class Sandbox(SandboxInfo):
         on_stderr: Callable[[OutputMessage], Any] | None = None,
         on_result: Callable[[Result], Any] | None = None,
         on_error: Callable[[ExecutionError], Any] | None = None,
+        language: str | None = None,
     ) -> Execution:
-        """Run Python `code` in a stateful context (a `CodeContext` or its id; None: the
-        sandbox's default context, made on first use), as a notebook cell: what it defines is
+        """Run `code` in a stateful context (a `CodeContext` or its id; None: the sandbox's
+        default context of `language`, python or bash, made on first use), as a notebook
+        cell: what it defines (variables, for bash the working directory and exports too) is
         kept for the next run there. `env` applies to this run only; after `timeout` seconds
         (server default 30) the code is interrupted and the error is a `TimeoutError`.
 
@@ -454,6 +456,7 @@ class Sandbox(SandboxInfo):
             on_stderr=on_stderr,
             on_result=on_result,
             on_error=on_error,
+            language=language,
         )
 
     def submit_exec_job(

@@ -1,7 +1,8 @@
 """Code contexts: stateful interpreters inside a sandbox, over the toolbox's processes.
 
 A context is one `kernel_bridge` process of the sandbox (agent/kernel_bridge.py: a real
-IPython kernel driven over jupyter_client's IPC transport), tagged `ctx:<id>`. The agent keeps
+IPython kernel driven over jupyter_client's IPC transport, or a persistent bash for
+`language: "bash"`), tagged `ctx:<id>`. The agent keeps
 a tag unique among running processes, so the context's id finds its process on any instance
 and two creates of one id (the per-sandbox `default` context, asked for by two instances at
 once) make one. Nothing is kept in the control plane: a context lives and dies with its
@@ -20,6 +21,7 @@ import json
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from sandgate.control.replies import Process
@@ -28,8 +30,10 @@ from sandgate.errors import ConflictError, InvalidRequestError, NotFoundError, S
 from sandgate.store.base import TenantId
 
 TAG_PREFIX = "ctx:"
-LANGUAGES = ("python",)
+LANGUAGES = ("python", "bash")  # an IPython kernel; a persistent bash (agent/kernel_bridge.py)
 DEFAULT_CONTEXT = "default"
+# the context a run without a context id goes to, per language (made by its first run)
+DEFAULT_CONTEXTS = MappingProxyType({"python": DEFAULT_CONTEXT, "bash": "default-bash"})
 READY_SECONDS = 60.0  # a kernel that does not answer within this is a failed create
 FOLLOW_WAIT = 25.0
 DELETE_SECONDS = 10.0  # then a context's process that did not exit is killed
@@ -50,8 +54,9 @@ def _context_of(process: Process) -> Context | None:
         return None
     args = process.argv
     cwd = args[args.index("--cwd") + 1] if "--cwd" in args[:-1] else "/workspace"
+    language = args[args.index("--language") + 1] if "--language" in args[:-1] else "python"
     context_id = str(process.tag)[len(TAG_PREFIX) :]
-    return Context(context_id, "python", cwd, process.pid, process.output_end)
+    return Context(context_id, language, cwd, process.pid, process.output_end)
 
 
 async def _prepend(
@@ -99,7 +104,7 @@ class ContextService:
         context_id = context_id or "ctx-" + secrets.token_hex(6)
         check_context_id(context_id)
         directory = cwd or "/workspace"
-        args = ["--context", context_id, "--cwd", directory]
+        args = ["--context", context_id, "--cwd", directory, "--language", language]
         try:
             pid = await self.toolbox.start_program(
                 tenant, name, "kernel_bridge", args, cwd=directory, tag=TAG_PREFIX + context_id
@@ -110,12 +115,17 @@ class ContextService:
             return await self._ready(tenant, name, await self.get(tenant, name, context_id))
         return await self._ready(tenant, name, Context(context_id, language, directory, pid))
 
-    async def default(self, tenant: TenantId, name: str) -> Context:
-        """The sandbox's default context, made by the first run that needs it."""
+    async def default(self, tenant: TenantId, name: str, language: str = "python") -> Context:
+        """The sandbox's default context of `language`, made by the first run that needs it."""
+        if language not in DEFAULT_CONTEXTS:
+            raise InvalidRequestError(
+                f"language {language!r} has no kernel here; use one of {', '.join(LANGUAGES)}"
+            )
+        context_id = DEFAULT_CONTEXTS[language]
         try:
-            return await self.get(tenant, name, DEFAULT_CONTEXT)
+            return await self.get(tenant, name, context_id)
         except NotFoundError:
-            return await self.create(tenant, name, context_id=DEFAULT_CONTEXT)
+            return await self.create(tenant, name, language=language, context_id=context_id)
 
     async def start_run(
         self,
@@ -126,11 +136,17 @@ class ContextService:
         *,
         env: dict[str, str] | None = None,
         time_limit: float | None = None,
+        language: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """`run`, its first event read already: a context that does not exist raises here,
-        before a stream has answered. Without a context id, in the default context, made
-        by the first run that needs it."""
-        target = context_id or DEFAULT_CONTEXT
+        before a stream has answered. Without a context id, in the default context of
+        `language` (python if none), made by the first run that needs it."""
+        language = language or "python"
+        if context_id is None and language not in DEFAULT_CONTEXTS:
+            raise InvalidRequestError(
+                f"language {language!r} has no kernel here; use one of {', '.join(LANGUAGES)}"
+            )
+        target = context_id or DEFAULT_CONTEXTS[language]
         for attempt in (1, 2):
             events = self.run(tenant, name, target, code, env=env, time_limit=time_limit)
             try:
@@ -138,7 +154,7 @@ class ContextService:
             except NotFoundError:
                 if context_id is not None or attempt == 2:
                     raise
-                await self.default(tenant, name)
+                await self.default(tenant, name, language)
                 continue
             return _prepend(first, events)
         raise AssertionError("unreachable")

@@ -125,3 +125,41 @@ def test_a_client_that_goes_away_interrupts_its_run(alpha: httpx.Client, sandbox
     # without the interrupt this run would wait behind the loop for its 600 s
     assert time.monotonic() - started < 30
     assert of(after, "result")[0]["text"] == "'kept'"
+
+
+def test_a_bash_context_keeps_its_shell(alpha: httpx.Client, sandbox: str) -> None:
+    base = f"/api/v1/sandboxes/{sandbox}"
+    made = alpha.post(f"{base}/contexts", json={"language": "bash"})
+    assert made.status_code == 201, made.text
+    ctx = made.json()["id"]
+    assert made.json()["language"] == "bash"
+    run(alpha, f"{base}/contexts/{ctx}/run", "kept=5; cd /tmp; export MINE=yes")
+    seen = run(alpha, f"{base}/contexts/{ctx}/run", "echo $kept $(pwd) $MINE; echo oops >&2")
+    assert "".join(e["text"] for e in of(seen, "stdout")) == "5 /tmp yes\n"
+    assert "".join(e["text"] for e in of(seen, "stderr")) == "oops\n"
+    assert seen[-1][1]["execution_count"] == 2
+    failed = run(alpha, f"{base}/contexts/{ctx}/run", "ls /no/such/dir")
+    assert of(failed, "error")[0]["name"] == "CommandExitError"
+    assert of(failed, "error")[0]["value"] == "exit status 2"
+    only = run(alpha, f"{base}/contexts/{ctx}/run", "echo $ONLY", env={"ONLY": "this run"})
+    assert of(only, "stdout")[0]["text"] == "this run\n"
+    later = run(alpha, f"{base}/contexts/{ctx}/run", "echo [$ONLY]; cat; echo read-done")
+    assert "".join(e["text"] for e in of(later, "stdout")) == "[]\nread-done\n", "no stdin"
+    slow = run(alpha, f"{base}/contexts/{ctx}/run", "sleep 60", timeout=1)
+    assert of(slow, "error")[0]["name"] == "TimeoutError"
+    alive = run(alpha, f"{base}/contexts/{ctx}/run", "echo $kept")
+    assert of(alive, "stdout")[0]["text"] == "5\n", "an interrupt stops the command, not the shell"
+    gone = run(alpha, f"{base}/contexts/{ctx}/run", "echo bye; exit 4")
+    assert of(gone, "error")[0]["name"] == "KernelDied"
+    assert alpha.post(f"{base}/contexts/{ctx}/restart").status_code == 200
+    fresh = run(alpha, f"{base}/contexts/{ctx}/run", "echo [$kept] $(pwd)")
+    assert of(fresh, "stdout")[0]["text"] == "[] /workspace\n"
+    # a run without a context id goes to the default context of its language
+    default = run(alpha, f"{base}/run-code", "echo default; d=1", language="bash")
+    assert default[-1][1]["context"] == "default-bash"
+    assert (
+        of(run(alpha, f"{base}/run-code", "echo $d", language="bash"), "stdout")[0]["text"] == "1\n"
+    )
+    languages = {c["id"]: c["language"] for c in alpha.get(f"{base}/contexts").json()}
+    assert languages[ctx] == "bash" and languages["default-bash"] == "bash"
+    alpha.delete(f"{base}/contexts/{ctx}")

@@ -73,3 +73,15 @@ def test_async_sdk(deployment: Deployment) -> None:
             await sbx.kill()
 
     asyncio.run(scenario())
+
+
+def test_bash_through_the_sdk(sbx: Sandbox) -> None:
+    assert sbx.run_code("x=41; cd /tmp", language="bash").error is None
+    ran = sbx.run_code("echo $((x + 1)) $(pwd)", language="bash")
+    assert ran.logs.stdout == ["42 /tmp\n"], ran
+    shell = sbx.create_code_context(language="bash")
+    assert shell.language == "bash"
+    apart = sbx.run_code("echo [$x]", context=shell)
+    assert apart.logs.stdout == ["[]\n"], "a second bash context is another shell"
+    failed = sbx.run_code("false", context=shell)
+    assert failed.error is not None and failed.error.name == "CommandExitError"

@@ -21,7 +21,7 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from sandgate.api import errors as api_errors
 from sandgate.api.deps import Services
 from sandgate.api.e2b.caller import EnvdCaller
-from sandgate.control.contexts import Context
+from sandgate.control.contexts import LANGUAGES, Context
 from sandgate.errors import InvalidRequestError, SandgateError
 
 INTERPRETER_PORT = 49999
@@ -91,10 +91,17 @@ async def _execute(body: dict[str, Any], svc: Services, who: EnvdCaller) -> Resp
     env = body.get("env_vars") or {}
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         raise InvalidRequestError("env_vars must be an object of strings")
-    if language not in (None, "python"):
-        raise InvalidRequestError(f"language {language!r} has no kernel here; use python")
+    if language not in (None, *LANGUAGES):
+        raise InvalidRequestError(
+            f"language {language!r} has no kernel here; use one of {', '.join(LANGUAGES)}"
+        )
     events = await svc.contexts.start_run(
-        who.tenant, who.sandbox, str(context_id) if context_id else None, code, env=env
+        who.tenant,
+        who.sandbox,
+        str(context_id) if context_id else None,
+        code,
+        env=env,
+        language=str(language) if language else None,
     )
 
     async def lines() -> AsyncIterator[bytes]:

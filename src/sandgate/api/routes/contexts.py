@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from sandgate.api.deps import Services, services, tenant
 from sandgate.api.routes.sandboxes import error_docs
 from sandgate.api.schemas import CodeContextOut, CreateCodeContext, RunCode
-from sandgate.control.contexts import DEFAULT_CONTEXT, Context
+from sandgate.control.contexts import DEFAULT_CONTEXTS, Context
 from sandgate.errors import InvalidRequestError
 from sandgate.store.base import TenantId
 
@@ -78,9 +78,9 @@ async def _stream(
         raise InvalidRequestError(f"timeout is at most {svc.settings.max_exec_timeout:g} seconds")
     # a context that does not exist is a 404 before the stream's 200
     events = await svc.contexts.start_run(
-        who, name, context_id, body.code, env=body.env, time_limit=timeout
+        who, name, context_id, body.code, env=body.env, time_limit=timeout, language=body.language
     )
-    shown = context_id or DEFAULT_CONTEXT
+    shown = context_id or DEFAULT_CONTEXTS[body.language or "python"]
 
     async def sse() -> AsyncIterator[bytes]:
         count = None

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import IO, Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
-from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from sandgate.api.deps import Services, Viewer, services, viewer
@@ -134,10 +133,15 @@ async def get_build(build_id: str, who: Who, svc: Svc) -> Any:
     }
 
 
+def _shown(record: TemplateRecord) -> dict[str, Any]:
+    """A template as every answer shows it (the response model's JSON)."""
+    return TemplateOut(**template_out(record)).model_dump(mode="json")
+
+
 def _line(event: dict[str, Any]) -> bytes:
     template = event.get("template")
     if isinstance(template, TemplateRecord):
-        event = {**event, "template": jsonable_encoder(template_out(template))}
+        event = {**event, "template": _shown(template)}
     return json.dumps(event).encode() + b"\n"
 
 
@@ -183,7 +187,7 @@ async def _import(name: str, request: Request, who: Viewer, svc: Services) -> An
         record = await svc.templates.import_archive(who.tenant, name, path)
     finally:
         await asyncio.to_thread(_discard, path)
-    return JSONResponse(jsonable_encoder(template_out(record)), status_code=201)
+    return JSONResponse(_shown(record), status_code=201)
 
 
 def _discard(path: Path) -> None:
