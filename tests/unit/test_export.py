@@ -24,6 +24,7 @@ def upper(tmp_path: Path) -> Path:
     os.setxattr(root / "srv" / "data", "trusted.overlay.opaque", b"y")
     (root / "srv" / "data" / "only").write_bytes(b"\x00\x01")
     os.symlink("/etc/shadow", root / "srv" / "shadow-link")
+    os.symlink("/root", root / "srv" / "dir-link")  # a link to a directory: kept as a link
     os.mkfifo(root / "srv" / "pipe")
     # sandgate's mount points: not the image's
     for name in ("workspace", "tmp", "dev", "proc", "opt/sandgate", "opt/sandgate-host/usr"):
@@ -34,7 +35,7 @@ def upper(tmp_path: Path) -> Path:
 
 def test_export_then_unpack_gives_the_same_changes(upper: Path, tmp_path: Path) -> None:
     out = tmp_path / "layer.tar"
-    digest, size, entries = export.export_upper(upper, out)
+    digest, size, entries = export.export_upper(upper, out, max_bytes=1 << 30)
     assert digest.startswith("sha256:") and size == out.stat().st_size and entries > 0
     with tarfile.open(out) as tar:
         names = tar.getnames()
@@ -43,6 +44,8 @@ def test_export_then_unpack_gives_the_same_changes(upper: Path, tmp_path: Path) 
     assert not any(n.split("/")[0] in ("workspace", "tmp", "dev", "proc") for n in names)
     assert not any(n.startswith("opt/sandgate") for n in names) and "etc/hosts" not in names
     assert members["srv/shadow-link"].issym(), "a symlink is kept as a link, never followed"
+    assert members["srv/dir-link"].issym() and members["srv/dir-link"].linkname == "/root"
+    assert not any(n.startswith("srv/dir-link/") for n in names)
     assert members["etc/new.conf"].mode == 0o755 and members["etc/new.conf"].uid == 0
     assert members["srv/pipe"].isfifo()
     again = tmp_path / "again"
@@ -56,8 +59,8 @@ def test_export_then_unpack_gives_the_same_changes(upper: Path, tmp_path: Path) 
 
 
 def test_the_same_changes_give_the_same_layer(upper: Path, tmp_path: Path) -> None:
-    first = export.export_upper(upper, tmp_path / "a.tar")
-    second = export.export_upper(upper, tmp_path / "b.tar")
+    first = export.export_upper(upper, tmp_path / "a.tar", max_bytes=1 << 30)
+    second = export.export_upper(upper, tmp_path / "b.tar", max_bytes=1 << 30)
     assert first == second
 
 
@@ -70,5 +73,25 @@ def test_a_file_that_shrinks_during_the_export_is_padded() -> None:
 def test_an_empty_upper_is_an_empty_layer(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
-    _, _, entries = export.export_upper(empty, tmp_path / "layer.tar")
+    _, _, entries = export.export_upper(empty, tmp_path / "layer.tar", max_bytes=1 << 30)
     assert entries == 0
+
+
+def test_a_sparse_file_past_the_quota_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "upper"
+    root.mkdir()
+    with open(root / "huge", "wb") as f:
+        f.truncate(1 << 40)  # a terabyte that takes no blocks
+    with pytest.raises(export.ExportError, match="larger than the sandbox's disk quota"):
+        export.export_upper(root, tmp_path / "layer.tar", max_bytes=64 << 20)
+    assert (tmp_path / "layer.tar").stat().st_size < 1 << 20
+
+
+def test_deep_trees_are_refused(tmp_path: Path) -> None:
+    root = tmp_path / "upper"
+    deep = root
+    for _ in range(export.MAX_DEPTH + 2):
+        deep = deep / "d"
+    deep.mkdir(parents=True)
+    with pytest.raises(export.ExportError, match="nest deeper"):
+        export.export_upper(root, tmp_path / "layer.tar", max_bytes=1 << 30)

@@ -19,14 +19,16 @@ import gzip
 import hashlib
 import json
 import tarfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from sandgate.core.layer_rules import LayerRuleError, Tally, max_unpacked
 from sandgate.errors import InvalidRequestError
 
-MAX_LAYERS = 60  # what one overlay mount stacks (worker/rootfs.py)
+MAX_LAYERS = 40  # what one overlay mount stacks (worker/rootfs.py: its options fit a page)
 MAX_JSON = 4 << 20  # an index, manifest or config larger than this is not one
 READ_CHUNK = 1 << 20
 GZIP_MAGIC = b"\x1f\x8b"
@@ -70,7 +72,7 @@ def parse(path: Path) -> ParsedArchive:
     """Read and check the archive at `path` (see the module docstring)."""
     try:
         return _parse(path)
-    except (AttributeError, TypeError, KeyError, ValueError) as exc:
+    except (AttributeError, TypeError, KeyError, ValueError, RecursionError) as exc:
         if isinstance(exc, ArchiveError):
             raise
         # a JSON document of the wrong shape (a string where an object belongs, ...)
@@ -120,20 +122,27 @@ def _check_end(path: Path, offset: int) -> None:
 
 def _rootfs(path: Path, media: str) -> ParsedArchive:
     digest, size = _hash(_chunks_of_file(path))
-    if media == "tar+gzip":
-        try:  # a corrupt or truncated gzip is refused here, not found by a worker
-            with gzip.open(path) as stream:
-                with tarfile.open(fileobj=stream, mode="r|") as tar:
-                    for _ in tar:
-                        pass
-                while stream.read(READ_CHUNK):  # to the end: the gzip trailer's CRC is checked
-                    pass
-        except (OSError, EOFError, tarfile.TarError, gzip.BadGzipFile) as exc:
-            raise ArchiveError(
-                f"the gzip root file system is truncated or corrupt: {exc}"
-            ) from None
+    with open(path, "rb") as raw:
+        _check_layer(raw, media, size, "the root file system")
     layer = ArchiveLayer(member=None, digest=digest, size=size, media=media)
     return ParsedArchive("rootfs", [layer], ImageConfig())
+
+
+def _check_layer(raw: IO[bytes], media: str, size: int, what: str) -> None:
+    """Read the layer through as a worker will unpack it (layer_rules): a corrupt,
+    truncated or unsafe layer is refused here, not found by every create after."""
+    tally = Tally(max_unpacked(size, media == "tar+gzip"))
+    try:
+        stream: Any = gzip.GzipFile(fileobj=raw) if media == "tar+gzip" else raw
+        with tarfile.open(fileobj=stream, mode="r|") as tar:
+            for member in tar:
+                tally.add(member)
+        while stream.read(READ_CHUNK):  # to the end: a gzip trailer's CRC is checked
+            pass
+    except LayerRuleError as exc:
+        raise ArchiveError(f"{what}: {exc.message}") from None
+    except (OSError, EOFError, tarfile.TarError, zlib.error, ValueError, OverflowError) as exc:
+        raise ArchiveError(f"{what} is truncated or corrupt: {exc}") from None
 
 
 def _oci(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> ParsedArchive:
@@ -154,6 +163,7 @@ def _oci(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> ParsedArc
         media = _media(str(entry.get("mediaType", "")))
         digest, size = _hash(_chunks_of_member(tar, member))
         _check_descriptor(entry, digest, size)
+        _check_member_layer(tar, member, media, f"layer {digest}")
         layers.append(ArchiveLayer(member.name, digest, size, media))
     return ParsedArchive("oci", _bounded(layers), _config(config))
 
@@ -208,8 +218,18 @@ def _docker(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> Parsed
         digest, size = _hash(_chunks_of_member(tar, member))
         if digest != want:
             raise ArchiveError(f"digest mismatch: layer {name} is {digest}, its config says {want}")
+        _check_member_layer(tar, member, "tar", f"layer {name}")
         layers.append(ArchiveLayer(member.name, digest, size, "tar"))
     return ParsedArchive("docker", _bounded(layers), _config(config))
+
+
+def _check_member_layer(
+    tar: tarfile.TarFile, member: tarfile.TarInfo, media: str, what: str
+) -> None:
+    stream = tar.extractfile(member)
+    if stream is None:  # pragma: no cover - checked to be a file
+        raise ArchiveError(f"{what} is not a file")
+    _check_layer(stream, media, member.size, what)
 
 
 def _bounded(layers: list[ArchiveLayer]) -> list[ArchiveLayer]:

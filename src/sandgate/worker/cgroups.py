@@ -242,6 +242,32 @@ class SandboxCgroups:
         return await rmdir_all(self.dirs, wait_s)
 
 
+async def set_frozen(
+    dirs: list[Path] | tuple[Path, ...], frozen: bool, wait_s: float = 2.0
+) -> bool:
+    """Freeze (or thaw) a sandbox's processes through its cgroup v2 group's cgroup.freeze;
+    True once the kernel says so, False where the host has no such file."""
+    for d in dirs:
+        control = d / "cgroup.freeze"
+        if not control.exists():
+            continue
+        try:
+            control.write_text("1" if frozen else "0")
+        except OSError:
+            return False
+        want = f"frozen {1 if frozen else 0}"
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                if want in _read(d / "cgroup.events").splitlines():
+                    return True
+            except OSError:
+                return False
+            await asyncio.sleep(0.01)
+        return False
+    return False
+
+
 def create_sandbox_cgroups(
     host: CgroupHost,
     worker_name: str,

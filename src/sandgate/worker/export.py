@@ -20,6 +20,7 @@ import tarfile
 from pathlib import Path
 from typing import IO
 
+from sandgate.errors import InvalidRequestError
 from sandgate.worker.layers import MODE_MASK, OPAQUE_MARKER, OPAQUE_XATTR, WHITEOUT_PREFIX
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -40,18 +41,6 @@ NOT_THE_IMAGES = frozenset(
 )
 
 
-def _opaque(name: str, dir_fd: int) -> bool:
-    fd = -1
-    try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-        return os.getxattr(fd, OPAQUE_XATTR) == b"y"
-    except OSError:
-        return False
-    finally:
-        if fd >= 0:
-            os.close(fd)
-
-
 def _info(name: str, st: os.stat_result) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.mode = stat.S_IMODE(st.st_mode) & MODE_MASK
@@ -61,40 +50,32 @@ def _info(name: str, st: os.stat_result) -> tarfile.TarInfo:
     return info
 
 
-def export_upper(upper: Path, out: Path) -> tuple[str, int, int]:
+MAX_DEPTH = 256  # directories deeper than this are refused
+
+
+class ExportError(InvalidRequestError):
+    """The sandbox's changes cannot be a layer (too large, too deep)."""
+
+    code = "export_refused"
+
+
+def export_upper(upper: Path, out: Path, *, max_bytes: int) -> tuple[str, int, int]:
     """Write the layer of `upper` to `out`; (sha256 digest, size, entries).
 
     The upper directory is the sandbox's, and a process of it may still run: it is walked
-    with directory descriptors (`os.fwalk`), never through a symlink, and each file is
-    opened relative to its directory with ``O_NOFOLLOW`` and checked after it is open, so
-    nothing outside `upper` is ever read, whatever is swapped in during the walk."""
-    entries = 0
-    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
-        for top, dirs, files, top_fd in os.fwalk(upper, follow_symlinks=False):
-            rel_top = os.path.relpath(top, upper)
-            rel_top = "" if rel_top == "." else rel_top
-            dirs[:] = sorted(d for d in dirs if _join(rel_top, d) not in NOT_THE_IMAGES)
-            for name in dirs:
-                rel = _join(rel_top, name)
-                try:
-                    st = os.stat(name, dir_fd=top_fd, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if not stat.S_ISDIR(st.st_mode):
-                    continue  # swapped while walking: fwalk will not enter it either
-                info = _info(rel, st)
-                info.type = tarfile.DIRTYPE
-                tar.addfile(info)
-                entries += 1
-                if _opaque(name, top_fd):
-                    tar.addfile(_info(_join(rel, OPAQUE_MARKER), st))
-                    entries += 1
-            for name in sorted(files):
-                rel = _join(rel_top, name)
-                if rel in NOT_THE_IMAGES:
-                    continue
-                if _add_file(tar, top_fd, name, rel_top, rel):
-                    entries += 1
+    with directory descriptors, each opened relative to its parent without following a
+    link (a symlink is always written as a link), and each file is opened with
+    ``O_NOFOLLOW | O_NONBLOCK`` and checked after it is open, so nothing outside `upper` is
+    read and nothing blocks, whatever is swapped in during the walk. The files' sizes add
+    up to at most `max_bytes` (the sandbox's disk quota: a sparse file is refused, not
+    written out as gigabytes of zeros)."""
+    budget = _Budget(max_bytes)
+    root = os.open(upper, _DIR_FLAGS | os.O_NONBLOCK)
+    try:
+        with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
+            entries = _walk(tar, root, "", 0, budget)
+    finally:
+        os.close(root)
     digest = hashlib.sha256()
     size = 0
     with open(out, "rb") as f:
@@ -104,7 +85,63 @@ def export_upper(upper: Path, out: Path) -> tuple[str, int, int]:
     return "sha256:" + digest.hexdigest(), size, entries
 
 
-def _add_file(tar: tarfile.TarFile, dir_fd: int, name: str, rel_top: str, rel: str) -> bool:
+class _Budget:
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+    def take(self, size: int, name: str) -> None:
+        self.left -= size
+        if self.left < 0:
+            raise ExportError(
+                f"the step's changes are larger than the sandbox's disk quota (at {name}): "
+                "a sparse file? give the build more resources.disk_mb"
+            )
+
+
+def _walk(tar: tarfile.TarFile, dir_fd: int, rel_top: str, depth: int, budget: _Budget) -> int:
+    if depth > MAX_DEPTH:
+        raise ExportError(f"directories nest deeper than {MAX_DEPTH} at {rel_top}")
+    entries = 0
+    for name in sorted(os.listdir(dir_fd)):
+        rel = _join(rel_top, name)
+        if rel in NOT_THE_IMAGES:
+            continue
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            if _add_file(tar, dir_fd, name, rel_top, rel, budget):
+                entries += 1
+            continue
+        try:
+            child = os.open(name, _DIR_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
+        except OSError:
+            continue  # swapped for a link or gone since the stat
+        try:
+            info = _info(rel, os.fstat(child))
+            info.type = tarfile.DIRTYPE
+            tar.addfile(info)
+            entries += 1
+            if _opaque_fd(child):
+                tar.addfile(_info(_join(rel, OPAQUE_MARKER), st))
+                entries += 1
+            entries += _walk(tar, child, rel, depth + 1, budget)
+        finally:
+            os.close(child)
+    return entries
+
+
+def _opaque_fd(fd: int) -> bool:
+    try:
+        return os.getxattr(fd, OPAQUE_XATTR) == b"y"
+    except OSError:
+        return False
+
+
+def _add_file(
+    tar: tarfile.TarFile, dir_fd: int, name: str, rel_top: str, rel: str, budget: _Budget
+) -> bool:
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -126,6 +163,7 @@ def _add_file(tar: tarfile.TarFile, dir_fd: int, name: str, rel_top: str, rel: s
             opened = os.fstat(fd)
             if not stat.S_ISREG(opened.st_mode):
                 return False
+            budget.take(opened.st_size, rel)
             info = _info(rel, opened)
             info.size = opened.st_size
             tar.addfile(info, _Exactly(data, opened.st_size))

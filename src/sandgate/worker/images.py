@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from sandgate.core.layer_rules import max_unpacked
 from sandgate.errors import WorkerError
 from sandgate.worker import layers
 from sandgate.worker.layers import layer_name
@@ -128,11 +129,13 @@ def _write_all(fd: int, data: bytes) -> None:
 def _unpack_blob(blob: Path, dest: Path, media: str) -> layers.UnpackStats:
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(mode=0o755)
+    compressed = media == "tar+gzip"
+    cap = max_unpacked(blob.stat().st_size, compressed)
     with open(blob, "rb") as raw:
-        if media == "tar+gzip":
+        if compressed:
             with gzip.GzipFile(fileobj=raw) as stream:
-                return layers.unpack(stream, dest)  # type: ignore[arg-type]
-        return layers.unpack(raw, dest)
+                return layers.unpack(stream, dest, max_bytes=cap)  # type: ignore[arg-type]
+        return layers.unpack(raw, dest, max_bytes=cap)
 
 
 def _discard(blob: Path, unpacked: Path) -> None:

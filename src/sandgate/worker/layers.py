@@ -21,10 +21,13 @@ import contextlib
 import os
 import stat
 import tarfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from sandgate.core.layer_rules import LayerRuleError as LayerError  # re-exported
+from sandgate.core.layer_rules import Tally, member_parts
 from sandgate.errors import InvalidRequestError
 
 WHITEOUT_PREFIX = ".wh."
@@ -33,10 +36,6 @@ OPAQUE_XATTR = "trusted.overlay.opaque"
 MODE_MASK = 0o1777  # no set-uid, no set-gid
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _COPY_CHUNK = 1 << 20
-
-
-class LayerError(InvalidRequestError):
-    """The layer cannot be unpacked as it is: corrupt, truncated or unsafe."""
 
 
 @dataclass
@@ -59,25 +58,28 @@ def layer_name(digest: str) -> str:
     return hexdigest
 
 
-def member_parts(name: str) -> list[str]:
-    """A member's path as components below the layer's root; refuses a way out."""
-    parts = [p for p in name.split("/") if p not in ("", ".")]
-    if any(p == ".." for p in parts):
-        raise LayerError(f"layer member {name!r} leaves the root (it holds '..')")
-    return parts
-
-
-def unpack(stream: IO[bytes], dest: Path) -> UnpackStats:
-    """Unpack the (uncompressed or gzip) tar read from `stream` into the empty `dest`."""
+def unpack(stream: IO[bytes], dest: Path, *, max_bytes: int = 1 << 62) -> UnpackStats:
+    """Unpack the (uncompressed or gzip) tar read from `stream` into the empty `dest`; its
+    files add up to at most `max_bytes` (`layer_rules.max_unpacked`)."""
     stats = UnpackStats()
+    tally = Tally(max_bytes)
     root_fd = os.open(dest, _DIR_FLAGS)
     try:
         try:
             with tarfile.open(fileobj=stream, mode="r|*") as tar:
                 for member in tar:
-                    _unpack_member(tar, member, root_fd, stats)
-        except (tarfile.TarError, EOFError, OSError, UnicodeError) as exc:
-            if isinstance(exc, LayerError):
+                    _unpack_member(tar, member, tally.add(member), root_fd, stats)
+        except (
+            tarfile.TarError,
+            EOFError,
+            OSError,
+            UnicodeError,
+            zlib.error,
+            ValueError,
+            OverflowError,
+            RecursionError,
+        ) as exc:
+            if isinstance(exc, InvalidRequestError):
                 raise
             raise LayerError(f"the layer cannot be read: {exc}") from None
     finally:
@@ -86,9 +88,12 @@ def unpack(stream: IO[bytes], dest: Path) -> UnpackStats:
 
 
 def _unpack_member(
-    tar: tarfile.TarFile, member: tarfile.TarInfo, root_fd: int, stats: UnpackStats
+    tar: tarfile.TarFile,
+    member: tarfile.TarInfo,
+    parts: list[str],
+    root_fd: int,
+    stats: UnpackStats,
 ) -> None:
-    parts = member_parts(member.name)
     if not parts:
         return  # the root itself
     *parents, leaf = parts
@@ -209,3 +214,6 @@ def _remove(parent_fd: int, name: str) -> None:
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=parent_fd)
+
+
+__all__ = ("LayerError", "UnpackStats", "layer_name", "unpack")

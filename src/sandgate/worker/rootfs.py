@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 import subprocess
 import time
 from pathlib import Path
 
-from sandgate.errors import WorkerError
+from sandgate.errors import InvalidRequestError, WorkerError
 
 _SYS_OPEN_TREE = 428  # x86_64 and aarch64 share these numbers (the unified syscall table)
 _SYS_MOVE_MOUNT = 429
@@ -139,7 +140,11 @@ def detach(target: Path) -> None:
 def overlay_options(layers: list[str], upper: Path, work: Path) -> str:
     """overlayfs mount options; `layers` are relative to the mount's cwd, bottom first."""
     lower = ":".join(reversed(layers))  # overlayfs lists the top layer first
-    options = f"lowerdir={lower},upperdir={upper},workdir={work}"
+    # redirect_dir, metacopy and index off: the upper directory then holds whole files and
+    # plain directories, which is what export.py reads as a build step's layer
+    options = (
+        f"lowerdir={lower},upperdir={upper},workdir={work},redirect_dir=off,metacopy=off,index=off"
+    )
     if len(options) > MAX_MOUNT_DATA:
         raise WorkerError(
             f"the image has too many layers ({len(layers)}) for one overlay mount; squash it"
@@ -194,3 +199,107 @@ def unmount_root(sandbox_dir: Path) -> None:
             detach(root)
     if root.is_dir():
         root.rmdir()
+
+
+MAX_LINK_HOPS = 40
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_path(root_fd: int, parts: list[str]) -> int:
+    fd = os.dup(root_fd)
+    try:
+        for part in parts:
+            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _resolve_dir(root_fd: int, path: str, host_uid: int) -> list[str]:
+    """The components of `path` inside the image root, its symlinks followed as if the root
+    were / (an absolute target starts again at the root; '..' stops there), the directories
+    it lacks made (the sandbox's own); never a step outside the root."""
+    pending = [p for p in path.split("/") if p not in ("", ".")]
+    resolved: list[str] = []
+    hops = 0
+    while pending:
+        part = pending.pop(0)
+        if part == "..":
+            if resolved:
+                resolved.pop()
+            continue
+        parent = _open_path(root_fd, resolved)
+        try:
+            try:
+                st = os.stat(part, dir_fd=parent, follow_symlinks=False)
+            except FileNotFoundError:
+                os.mkdir(part, 0o755, dir_fd=parent)
+                os.chown(part, host_uid, host_uid, dir_fd=parent, follow_symlinks=False)
+                resolved.append(part)
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                hops += 1
+                if hops > MAX_LINK_HOPS:
+                    raise InvalidRequestError(f"the image's {path} has too many symlinks")
+                target = os.readlink(part, dir_fd=parent)
+                if target.startswith("/"):
+                    resolved = []
+                pending = [p for p in target.split("/") if p not in ("", ".")] + pending
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                shown = "/" + "/".join([*resolved, part])
+                raise InvalidRequestError(
+                    f"the image's {shown} is not a directory: sandgate mounts {path} there"
+                )
+            resolved.append(part)
+        finally:
+            os.close(parent)
+    return resolved
+
+
+def make_mount_points(
+    root: Path, host_uid: int, *, dirs: list[str], files: list[str]
+) -> dict[str, str]:
+    """Where bwrap mounts each of `dirs` and `files` in a template sandbox's root, resolved
+    here in the root and made if missing, so bwrap follows no link of the image (it would
+    follow one out of the root: the host's root is still reachable while it sets up).
+    A file mount point that is a link in the image (/etc/resolv.conf often is) is replaced
+    by an empty file in the sandbox's own upper layer."""
+    points: dict[str, str] = {}
+    root_fd = os.open(root, _DIR_FLAGS)
+    try:
+        for path in dirs:
+            points[path] = "/" + "/".join(_resolve_dir(root_fd, path, host_uid))
+        for path in files:
+            parent_path, _, name = path.rpartition("/")
+            parts = _resolve_dir(root_fd, parent_path or "/", host_uid)
+            parent = _open_path(root_fd, parts)
+            try:
+                try:
+                    st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                except FileNotFoundError:
+                    st = None
+                if st is not None and stat.S_ISDIR(st.st_mode):
+                    raise InvalidRequestError(
+                        f"the image's {path} is a directory: sandgate mounts a file there"
+                    )
+                if st is None or not stat.S_ISREG(st.st_mode):
+                    if st is not None:
+                        os.unlink(name, dir_fd=parent)
+                    fd = os.open(
+                        name,
+                        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                        0o644,
+                        dir_fd=parent,
+                    )
+                    os.fchown(fd, host_uid, host_uid)
+                    os.close(fd)
+            finally:
+                os.close(parent)
+            points[path] = "/" + "/".join([*parts, name])
+    finally:
+        os.close(root_fd)
+    return points

@@ -43,7 +43,7 @@ from sandgate.errors import (
     StorageFullError,
     WorkerError,
 )
-from sandgate.worker import disk, export, metrics, pool
+from sandgate.worker import cgroups, disk, export, metrics, pool
 from sandgate.worker.agent_link import AgentLink
 from sandgate.worker.images import INCOMING, FetchChunk, LayerCache
 from sandgate.worker.runtime.base import ImageSpec, LayerRef, Runtime, SandboxSpec
@@ -578,7 +578,15 @@ class WorkerService:
             )
         out = self._export_path(name)
         await asyncio.to_thread(out.parent.mkdir, mode=0o700, exist_ok=True)
-        digest, size, entries = await asyncio.to_thread(export.export_upper, upper, out)
+        # its processes hold still while their changes are read (a step may leave some)
+        frozen = await cgroups.set_frozen(live.running.cgroup_dirs, True)
+        try:
+            digest, size, entries = await asyncio.to_thread(
+                export.export_upper, upper, out, max_bytes=live.running.spec.disk_mb << 20
+            )
+        finally:
+            if frozen:
+                await cgroups.set_frozen(live.running.cgroup_dirs, False)
         return {"digest": digest, "size": size, "entries": entries}
 
     async def _export_read(self, name: str, offset: int) -> bytes:

@@ -272,3 +272,34 @@ def test_e2b_sdk_starts_an_imported_template(deployment: Deployment, oci_templat
         assert sbx.commands.run("cat /workspace/note.txt").stdout == "from e2b"
     finally:
         sbx.kill()
+
+
+def test_an_image_whose_links_point_out_of_its_root(alpha: httpx.Client, tmp_path: Path) -> None:
+    """bwrap sets mounts up while the host's root is still reachable (as /oldroot): an image
+    whose /etc, /tmp or WorkingDir are links out of its root must not make it create
+    anything on the host. They are resolved inside the image's own root instead."""
+    marker = f"sandgate-escape-{uuid.uuid4().hex[:8]}"
+    base = base_layer()
+    base.entries = {
+        k: v for k, v in base.entries.items() if k != "etc" and not k.startswith("etc/")
+    }
+    base.entries["etc"] = f"->/oldroot/tmp/{marker}-etc"
+    base.entries["workspace"] = f"->../oldroot/tmp/{marker}-ws"
+    config: dict[str, object] = {"Env": ["PATH=/usr/bin:/bin"], "WorkingDir": f"/w/{marker}"}
+    base.entries["w"] = f"->/oldroot/tmp/{marker}-wd"
+    archive = oci_archive(tmp_path / "links.tar", [base], config)
+    name = f"links-{uuid.uuid4().hex[:8]}"
+    assert upload(alpha, name, archive).status_code == 201
+    try:
+        sandbox = create(alpha, name)
+        try:
+            seen = sh(alpha, sandbox, "pwd; cat /etc/hosts | head -1; ls /oldroot 2>&1 | head -1")
+            assert seen["exit_code"] == 0, seen
+            lines = seen["stdout"].splitlines()
+            assert lines[0] == f"/w/{marker}"
+            assert "localhost" in lines[1]
+        finally:
+            alpha.delete(f"/api/v1/sandboxes/{sandbox}")
+        assert not list(Path("/tmp").glob(f"{marker}*")), "nothing was made on the host"
+    finally:
+        alpha.delete(f"/api/v1/templates/{name}")

@@ -161,9 +161,9 @@ def test_errors_carry_status_and_code(deployment: Deployment, sg: Sandgate, box:
     with pytest.raises(InvalidRequestError) as invalid:
         sg.sandboxes.create(resources={"memory_mb": 1})
     assert invalid.value.status == 422 and invalid.value.code == "validation_error"
-    with pytest.raises(InvalidRequestError) as bad:
+    with pytest.raises(NotFoundError) as bad:
         sg.sandboxes.create(template="no-such-template")
-    assert bad.value.status == 400 and bad.value.code == "invalid_request"
+    assert bad.value.status == 404 and bad.value.code == "template_not_found"
 
     with pytest.raises(PermissionDeniedError) as outside:
         box.files.read("../../etc/passwd")

@@ -35,6 +35,7 @@ an absolute path; bwrap looks the command up in the sandbox's ``PATH``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -60,6 +61,8 @@ AGENT_MOUNT = "/opt/sandgate"
 # a template sandbox's agent runs on the host's Python, bound here read-only and started by
 # the host's own loader (the image may have another libc, or no Python at all)
 HOST_USR_MOUNT = "/opt/sandgate-host/usr"
+# what bwrap mounts in a template sandbox's root (besides its WorkingDir and /etc files)
+IMAGE_MOUNT_DIRS = ("/dev", "/proc", "/tmp", "/workspace", AGENT_MOUNT, HOST_USR_MOUNT)
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -309,15 +312,31 @@ class BwrapRuntime:
                 os.chown(workspace, uid, uid)
                 os.chmod(workspace, 0o700)
             root: Path | None = None
+            points: dict[str, str] = {}
             if spec.image is not None:
                 names = [layer_name(layer.digest) for layer in spec.image.layers]
-                root = await asyncio.to_thread(
-                    rootfs.mount_root,
-                    sandbox_dir,
-                    self.layer_store,
-                    names,
-                    upper_parent=own_disk or sandbox_dir,
-                    host_uid=uid,
+                mounting = asyncio.ensure_future(
+                    asyncio.to_thread(
+                        rootfs.mount_root,
+                        sandbox_dir,
+                        self.layer_store,
+                        names,
+                        upper_parent=own_disk or sandbox_dir,
+                        host_uid=uid,
+                    )
+                )
+                try:  # a cancelled start still waits for its mount, then undoes it
+                    root = await asyncio.shield(mounting)
+                except asyncio.CancelledError:
+                    with contextlib.suppress(BaseException):
+                        await mounting
+                    raise
+                points = await asyncio.to_thread(
+                    rootfs.make_mount_points,
+                    root,
+                    uid,
+                    dirs=[*IMAGE_MOUNT_DIRS, image_workdir(spec.image)],
+                    files=self._image_files(),
                 )
             log_path = sandbox_dir / "agent.log"
             log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
@@ -331,7 +350,7 @@ class BwrapRuntime:
                 cpus=spec.cpus,
             )
             seccomp_fd = seccomp.open_filter(self.seccomp_path)
-            args = self._bwrap_args(spec, workspace, tmp, seccomp_fd, root)
+            args = self._bwrap_args(spec, workspace, tmp, seccomp_fd, root, points)
             args_fd = _memfd_with(b"".join(a.encode() + b"\0" for a in args))
             cmd = self._command(uid, args_fd, argv, nofile=self.nofile_for(spec))
             process = await asyncio.create_subprocess_exec(
@@ -376,6 +395,11 @@ class BwrapRuntime:
             scratch=() if own_disk is not None else (workspace,),  # /tmp: a tmpfs, in memory
             upper=None if root is None else (own_disk or sandbox_dir) / rootfs.UPPER_NAME,
         )
+
+    def _image_files(self) -> list[str]:
+        """The files of the generated /etc a template sandbox gets (its name lookups)."""
+        names = ["hosts", "resolv.conf"] if self.allow_network else ["hosts"]
+        return [f"/etc/{name}" for name in names if (self.etc_dir / name).exists()]
 
     def _check_agent_dir(self) -> None:
         if self._agent_checked:
@@ -429,11 +453,18 @@ class BwrapRuntime:
         tmp: Path | None,
         seccomp_fd: int,
         root: Path | None = None,
+        points: dict[str, str] | None = None,
     ) -> list[str]:
         """bwrap's options (not the command: bwrap takes that from its real argv only).
 
         `root`: a template sandbox's overlay root (`rootfs.py`), writable, instead of the
-        read-only tmpfs root with the host's /usr."""
+        read-only tmpfs root with the host's /usr; `points`: where its mount points resolve
+        in it (`rootfs.make_mount_points`: bwrap is given no path through an image's link)."""
+        at = dict(points or {})
+
+        def where(path: str) -> str:
+            return at.get(path, path)
+
         inner_uid = SANDBOX_UID if spec.image is None else image_uid(spec.image)
         cmd = [
             "--unshare-user",
@@ -452,24 +483,25 @@ class BwrapRuntime:
         if root is None:
             cmd += self._root_args
         else:
-            cmd += ["--bind", str(root), "/", "--dev", "/dev", "--proc", "/proc"]
-            cmd += bwrap_host.image_etc_args(self.etc_dir, allow_network=self.allow_network)
+            cmd += ["--bind", str(root), "/", "--dev", where("/dev"), "--proc", where("/proc")]
+            for name in self._image_files():
+                cmd += ["--ro-bind", str(self.etc_dir / name.removeprefix("/etc/")), where(name)]
         if tmp is not None:
-            cmd += ["--bind", str(tmp), "/tmp"]
+            cmd += ["--bind", str(tmp), where("/tmp")]
         else:  # no disk quota here: a tmpfs, bounded by the sandbox's memory limit
             size = min(spec.memory_mb, spec.disk_mb) << 20
-            cmd += ["--size", str(size), "--tmpfs", "/tmp"]
-        cmd += ["--bind", str(workspace), "/workspace"]
-        cmd += ["--dir", "/opt", "--ro-bind", str(self.agent_dir), AGENT_MOUNT]
+            cmd += ["--size", str(size), "--tmpfs", where("/tmp")]
+        cmd += ["--bind", str(workspace), where("/workspace")]
+        if root is None:
+            cmd += ["--dir", "/opt"]
+        cmd += ["--ro-bind", str(self.agent_dir), where(AGENT_MOUNT)]
         if root is None:
             cmd += ["--remount-ro", "/"]
         else:
-            cmd += ["--ro-bind", "/usr", HOST_USR_MOUNT]
-            assert spec.image is not None
-            cmd += ["--dir", image_workdir(spec.image)]  # OCI: a WorkingDir is made if missing
+            cmd += ["--ro-bind", "/usr", where(HOST_USR_MOUNT)]
         cmd += [
             "--chdir",
-            "/workspace",
+            where("/workspace"),
             "--hostname",
             spec.name,
             "--die-with-parent",

@@ -207,17 +207,6 @@ def write_etc(etc_dir: Path, *, allow_network: bool) -> list[str]:
     return args
 
 
-def image_etc_args(etc_dir: Path, *, allow_network: bool) -> list[str]:
-    """What a template sandbox's own /etc gets from the generated one: the name lookups of
-    this sandbox (its image keeps its users, groups and configuration)."""
-    names = ["hosts", "resolv.conf"] if allow_network else ["hosts"]
-    args = ["--dir", "/etc"]
-    for name in names:
-        if (etc_dir / name).exists():
-            args += ["--ro-bind", str(etc_dir / name), f"/etc/{name}"]
-    return args
-
-
 def elf_interpreter(path: Path) -> str | None:
     """The program interpreter (dynamic loader) a 64-bit little-endian ELF names, if any."""
     with open(path, "rb") as f:
