@@ -44,6 +44,8 @@ class ServerSettings(_Frozen):
     body_idle_timeout: float = 60.0  # a request body silent this long is cut
     max_upload_bytes: int = 10 << 30  # one file upload
     max_template_bytes: int = 8 << 30  # one template archive (POST /api/v1/templates)
+    max_templates: int = 100  # templates one tenant (or the public set) may hold
+    max_template_storage_bytes: int = 100 << 30  # their layers' bytes, per tenant
     file_chunk_bytes: int = 1 << 20  # one tunnel frame of file data
     # several instances
     owner_ttl: float = 90.0  # a tunnel_owners row older than this is not trusted

@@ -292,12 +292,16 @@ def _parse_args(argv: list[str]) -> dict[str, str]:
     args = iter(argv)
     for arg in args:
         name, sep, value = arg.partition("=")
-        if name not in ("--workspace", "--tmp", "--root", "--cwd", "--loader", "--library-path"):
+        known = ("--workspace", "--tmp", "--root", "--cwd", "--loader", "--library-path", "--env")
+        if name not in known:
             raise ValueError(f"unknown argument {arg!r}")
         if not sep:
             value = next(args, "")
         if not value:
-            raise ValueError(f"{name} needs a directory")
+            raise ValueError(f"{name} needs a value")
+        if name == "--env":  # repeated: NAME=VALUE for the commands it starts only
+            options["env"] = options.get("env", "") + value + "\0"
+            continue
         options[name[2:]] = value
     for name in ("workspace", "tmp"):
         if name not in options:
@@ -321,7 +325,12 @@ def main(argv: list[str]) -> int:
     )
     if "root" in options:
         roots += (("/", "/"),)
-    st = AgentState(roots, dict(os.environ), options.get("cwd", "/workspace"))
+    sandbox_env = dict(os.environ)
+    for pair in options.get("env", "").split("\0"):
+        key, sep, value = pair.partition("=")
+        if sep and key:
+            sandbox_env[key] = value
+    st = AgentState(roots, sandbox_env, options.get("cwd", "/workspace"))
     if "loader" in options:
         library = options.get("library-path", "")
         st.python = (options["loader"], "--library-path", library, sys.executable)

@@ -99,12 +99,15 @@ def import_template(
 
 
 def pack_context(context: Path, sources: list[str], into: Path) -> None:
-    """The files the copy steps name, from `context`, as the build's context tarball."""
+    """The files the copy steps name, from `context`, as the build's context tarball; a
+    source whose real path is outside the context (a link out of it) is refused."""
     with tarfile.open(into, "w") as tar:
         for source in sorted(set(sources)):
             path = context / source
             if not path.exists() and not path.is_symlink():
                 raise typer.BadParameter(f"copy {source!r}: no such file in {context}")
+            if not path.resolve().is_relative_to(context):
+                raise typer.BadParameter(f"copy {source!r}: it leads out of {context}")
             tar.add(path, arcname=source, recursive=True, filter=_squashed)
 
 
@@ -168,16 +171,18 @@ def build(
         document = json.loads(raw) if file.suffix == ".json" else tomllib.loads(raw.decode())
     except (ValueError, UnicodeDecodeError) as exc:
         raise typer.BadParameter(f"{file}: {exc}", param_hint="--file") from None
-    steps = document.get("steps") if isinstance(document, dict) else None
-    sources = [
-        str(step["copy"])
-        for step in steps or []
-        if isinstance(step, dict) and isinstance(step.get("copy"), str)
-    ]
     from sandgate.client import BuildFailedError
+    from sandgate.core import build_spec
+
+    try:  # checked here first: nothing is packed for a document the server would refuse
+        spec = build_spec.parse(document)
+    except build_spec.BuildSpecError as exc:
+        raise typer.BadParameter(f"{file}: {exc.message}", param_hint="--file") from None
+    steps = spec.steps
+    sources = [step.source for step in spec.steps if step.kind == "copy"]
 
     with reported_errors(), connect(url, api_key) as client:
-        view = BuildView(len(steps) if isinstance(steps, list) else 0, quiet or as_json)
+        view = BuildView(len(steps), quiet or as_json)
         with tempfile.TemporaryDirectory(prefix="sandgate-build-") as scratch:
             packed: Path | None = None
             if sources:

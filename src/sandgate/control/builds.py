@@ -26,19 +26,21 @@ import tarfile
 import tempfile
 import time
 import uuid
+import zlib
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
 from sandgate.config import ServerSettings
 from sandgate.control.create import CreatePipeline, CreateRequest
-from sandgate.control.image_archive import ArchiveLayer
+from sandgate.control.image_archive import MAX_LAYERS, ArchiveLayer
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.templates import TemplateService, check_name, image_digest
 from sandgate.control.toolbox import Toolbox
 from sandgate.core import caps
 from sandgate.core.build_spec import BuildSpec, BuildSpecError, Config, Step, step_key
 from sandgate.core.clock import utcnow
+from sandgate.core.layer_rules import LayerRuleError, Tally, max_unpacked
 from sandgate.core.output import decode_output
 from sandgate.errors import (
     InvalidRequestError,
@@ -109,6 +111,14 @@ class BuildService:
             )
         if any(step.kind == "copy" for step in spec.steps) and context is None:
             raise BuildSpecError("the build has copy steps but no build context was sent")
+        making = sum(1 for step in spec.steps if step.kind in ("run", "copy"))
+        if len(base.image["layers"]) + making > MAX_LAYERS:
+            raise BuildSpecError(
+                f"{spec.base} has {len(base.image['layers'])} layers and the build adds up to "
+                f"{making}: at most {MAX_LAYERS} in all (merge run steps)"
+            )
+        if context is not None:
+            await asyncio.to_thread(check_context, context)
         record = BuildRecord(
             id=uuid.uuid4().hex,
             owner=owner,
@@ -121,10 +131,10 @@ class BuildService:
             finished_at=None,
         )
         await self.store.insert_build(record, keep=BUILDS_KEPT)
-        yield {"event": "build", "id": record.id, "steps": len(spec.steps)}
         out = _Log()
         index = 0
         try:
+            yield {"event": "build", "id": record.id, "steps": len(spec.steps)}
             layers: list[dict[str, Any]] = list(base.image["layers"])
             config = Config.of(base.image)
             key = str(base.image["digest"])
@@ -144,7 +154,7 @@ class BuildService:
                 else:
                     key = step_key(key, step, config, network=spec.network)
                     found, layer = await self.store.get_cached_step(owner, key)
-                    if found and (layer is None or await self.store.blob_complete(layer["digest"])):
+                    if found and (layer is None or await self.store.touch_blob(layer["digest"])):
                         cached = True
                     else:
                         run = self._run(tenant, record.id, layers, config, spec, step)
@@ -174,6 +184,8 @@ class BuildService:
                 "user": config.user,
                 "cmd": list(spec.cmd) if spec.cmd is not None else list(config.cmd),
             }
+            await self.templates.verify_layers(layers)
+            await self.templates.check_quota(owner, name, sum(int(x["size"]) for x in layers))
             template = TemplateRecord(
                 owner=owner,
                 name=name,
@@ -250,7 +262,14 @@ class BuildService:
             pool=False,
             image=image,
         )
-        sandbox = (await self.creates.create(tenant, request, None)).sandbox
+        creating = asyncio.ensure_future(self.creates.create(tenant, request, None))
+        try:  # a build cancelled while its step's sandbox starts still deletes that sandbox
+            sandbox = (await asyncio.shield(creating)).sandbox
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                made = await creating
+                await asyncio.shield(self.sandboxes.delete(tenant, made.sandbox.name))
+            raise
         try:
             command = step.run
             if config.workdir:
@@ -289,7 +308,7 @@ class BuildService:
                     path, ArchiveLayer(None, exported.digest, exported.size, "tar")
                 )
             finally:
-                await asyncio.to_thread(path.unlink, missing_ok=True)
+                _unlink(path)
             yield {"layer": {"digest": exported.digest, "size": exported.size, "media": "tar"}}
         finally:
             with contextlib.suppress(Exception):
@@ -315,7 +334,7 @@ class BuildService:
                     f"the step's layer arrived as {got} bytes, not {size} of {digest}"
                 )
         except BaseException:
-            await asyncio.to_thread(path.unlink, missing_ok=True)
+            _unlink(path)
             raise
         return path
 
@@ -330,7 +349,7 @@ class BuildService:
             if not stored:
                 await self.templates.store_file_layer(path, ArchiveLayer(None, digest, size, "tar"))
         finally:
-            await asyncio.to_thread(path.unlink, missing_ok=True)
+            _unlink(path)
         return {"digest": digest, "size": size, "media": "tar"}, stored
 
 
@@ -338,6 +357,26 @@ class BuildStepFailed(InvalidRequestError):
     """A build step's command failed: its output is in the build's log."""
 
     code = "build_step_failed"
+
+
+def _unlink(path: Path) -> None:
+    """Remove a temporary file at once, not in a thread: a cancelled build still does it
+    (an await in its cleanup could itself be cancelled)."""
+    path.unlink(missing_ok=True)
+
+
+def check_context(context: Path) -> None:
+    """The build context is a tar whose members follow the layer rules (read through once:
+    a bad context is refused before any step runs)."""
+    tally = Tally(max_unpacked(context.stat().st_size, True))
+    try:
+        with tarfile.open(context, "r:*") as tar:
+            for member in tar:
+                tally.add(member)
+    except LayerRuleError as exc:
+        raise BuildSpecError(f"the build context: {exc.message}") from None
+    except (OSError, EOFError, tarfile.TarError, zlib.error, ValueError, OverflowError) as exc:
+        raise BuildSpecError(f"the build context is not a readable tar: {exc}") from None
 
 
 def copy_layer(context: Path, step: Step, out: Path) -> tuple[str, int]:

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,13 @@ from sandgate.config import ServerSettings
 from sandgate.control import image_archive
 from sandgate.control.image_archive import ArchiveLayer, ParsedArchive
 from sandgate.core.clock import utcnow
-from sandgate.errors import ConflictError, InvalidRequestError, NotFoundError
+from sandgate.errors import (
+    ConflictError,
+    InvalidRequestError,
+    LimitExceededError,
+    NotFoundError,
+    StoreError,
+)
 from sandgate.store.base import PUBLIC_OWNER, Store, TemplateRecord, TenantId
 from sandgate.store.sql.templates import BLOB_CHUNK
 
@@ -156,6 +163,29 @@ class TemplateService:
                 "replace a built-in with a public image, using an admin key)"
             )
 
+    async def check_quota(self, owner: str, name: str, size: int) -> None:
+        """Refuse a template that would take its owner past the deployment's limits (the
+        one it replaces does not count)."""
+        held = [r for r in await self.store.list_templates([owner]) if r.name != name]
+        limit = self.settings.max_templates
+        if len(held) >= limit:
+            raise LimitExceededError(
+                f"you hold {len(held)} templates, the most this deployment keeps per tenant "
+                f"(max_templates {limit}): delete one first",
+                limit="max_templates",
+                retry_after=0.0,
+            )
+        storage = self.settings.max_template_storage_bytes
+        used = sum(r.size for r in held)
+        if used + size > storage:
+            raise LimitExceededError(
+                f"the template's {size} bytes would take your templates to {used + size} "
+                f"bytes, past this deployment's {storage} (max_template_storage_bytes): "
+                "delete some first",
+                limit="max_template_storage_bytes",
+                retry_after=0.0,
+            )
+
     async def import_archive(
         self, tenant: TenantId | None, name: str, path: Path
     ) -> TemplateRecord:
@@ -164,10 +194,14 @@ class TemplateService:
         check_name(name)
         self.check_builtin(tenant, name)
         parsed = await asyncio.to_thread(image_archive.parse, path)
+        await self.check_quota(self.owner_of(tenant), name, sum(x.size for x in parsed.layers))
         await self._sweep()
         for layer in parsed.layers:
             await self.store_file_layer(path, layer)
         image = image_of(parsed)
+        for layer in parsed.layers:  # one a sweep took meanwhile is stored again
+            if not await self.store.blob_complete(layer.digest):
+                await self.store_file_layer(path, layer)
         record = TemplateRecord(
             owner=self.owner_of(tenant),
             name=name,
@@ -192,21 +226,34 @@ class TemplateService:
 
     async def store_file_layer(self, path: Path, layer: ArchiveLayer) -> None:
         """Store a layer whose bytes were checked against its digest (an archive's member,
-        or a whole file: a build step's) unless a complete blob already holds it."""
-        if await self.store.blob_complete(layer.digest):
-            return  # content-addressed: stored once, by whoever stored it first
-        await self.store.begin_blob(layer.digest, layer.size)
-        stream, tar = await asyncio.to_thread(image_archive.open_layer, path, layer)
-        try:
-            seq = 0
-            while chunk := await asyncio.to_thread(stream.read, BLOB_CHUNK):
-                await self.store.write_blob_chunk(layer.digest, seq, chunk)
-                seq += 1
-        finally:
-            stream.close()
-            if tar is not None:
-                tar.close()
-        await self.store.complete_blob(layer.digest)
+        or a whole file: a build step's) unless a complete blob already holds it (then it
+        is marked used now, so no sweep takes it while the template is being recorded)."""
+        for _attempt in range(3):
+            if await self.store.blob_complete(layer.digest) and await self.store.touch_blob(
+                layer.digest
+            ):
+                return
+            await self.store.begin_blob(layer.digest, layer.size)
+            await self.store.touch_blob(layer.digest)  # a row left by an earlier attempt
+            stream, tar = await asyncio.to_thread(image_archive.open_layer, path, layer)
+            try:
+                seq = 0
+                while chunk := await asyncio.to_thread(stream.read, BLOB_CHUNK):
+                    await self.store.write_blob_chunk(layer.digest, seq, chunk)
+                    seq += 1
+            finally:
+                stream.close()
+                if tar is not None:
+                    tar.close()
+            if await self.store.complete_blob(layer.digest, layer.size):
+                return
+        raise StoreError(f"layer {layer.digest} could not be stored (swept while written)")
+
+    async def verify_layers(self, layers: Sequence[dict[str, Any]]) -> None:
+        """Every layer a template is about to name is still stored (and now marked used)."""
+        for layer in layers:
+            if not await self.store.touch_blob(str(layer["digest"])):
+                raise StoreError(f"layer {layer['digest']} was removed meanwhile: try again")
 
     # -- workers' requests (over their tunnels) ------------------------------------------------
     async def answer_worker(self, header: Header, payload: bytes) -> tuple[Header, bytes]:

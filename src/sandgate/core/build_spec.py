@@ -183,9 +183,11 @@ def _step(index: int, raw: Any) -> Step:
         if not isinstance(to, str) or not to.startswith("/"):
             raise BuildSpecError(f"step {index}: copy needs 'to', an absolute path in the image")
         source = posixpath.normpath(value)
-        if source.startswith("..") or source.startswith("/"):
+        if source == ".." or source.startswith("../") or source.startswith("/"):
             raise BuildSpecError(f"step {index}: copy {value!r} leaves the build context")
-        return Step("copy", source=source, to=posixpath.normpath(to))
+        # a trailing / says "into this directory" (copy app.py to /app/ makes /app/app.py)
+        target = posixpath.normpath(to) + ("/" if to.endswith("/") and to != "/" else "")
+        return Step("copy", source=source, to=target)
     if kind == "env":
         if not isinstance(value, dict) or not value:
             raise BuildSpecError(f"step {index}: env is a table of NAME = value")

@@ -303,3 +303,55 @@ def make_mount_points(
     finally:
         os.close(root_fd)
     return points
+
+
+def lookup_user(root: Path, user: str, host_uid: int) -> int:
+    """The uid the image's `user` names: its number, or the name looked up in the image's
+    own /etc/passwd (read inside its root, no link followed out of it)."""
+    name = user.partition(":")[0]
+    if name in ("", "root"):
+        return 0
+    if name.isdigit():
+        return int(name)
+    root_fd = os.open(root, _DIR_FLAGS)
+    try:
+        try:
+            etc = _open_path(root_fd, _resolve_dir(root_fd, "/etc", host_uid))
+        except (OSError, InvalidRequestError):
+            etc = -1
+        if etc >= 0:
+            try:
+                fd = os.open("passwd", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=etc)
+                with os.fdopen(fd, "rb") as f:
+                    for line in f.read(1 << 20).decode(errors="replace").splitlines():
+                        fields = line.split(":")
+                        if len(fields) > 2 and fields[0] == name and fields[2].isdigit():
+                            return int(fields[2])
+            except OSError:
+                pass
+            finally:
+                os.close(etc)
+    finally:
+        os.close(root_fd)
+    raise InvalidRequestError(f"the template's user {name!r} is not in its /etc/passwd")
+
+
+def probe(work_dir: Path, host_uid: int) -> str | None:
+    """Why template roots cannot be made here (no idmapped mounts: Linux < 5.12, or a file
+    system that does not take them), or None when they can: one is made and removed."""
+    base = work_dir / ".idmap-probe"
+    source, target = base / "source", base / "target"
+    try:
+        for d in (base, source, target):
+            d.mkdir(mode=0o700, exist_ok=True)
+        attach_idmapped(source, target, host_uid)
+        detach(target)
+        return None
+    except (OSError, WorkerError) as exc:
+        return getattr(exc, "message", None) or str(exc)
+    finally:
+        for d in (target, source, base):
+            try:
+                d.rmdir()
+            except OSError:
+                pass

@@ -397,17 +397,8 @@ class WorkerService:
     async def _from_pool(self, spec: SandboxSpec) -> LiveSandbox | None:
         """A pooled sandbox for this provision, handed out under its name, or None."""
         ready = self.state.pool.get(spec.template, [])
-        stale = [
-            live
-            for live in ready
-            if pool.image_digest(live.running.spec) != pool.image_digest(spec)
-        ]
-        for live in stale:  # the template was replaced since they started: they go
-            ready.remove(live)
-            self._forget(live)
-            self._teardown_task(live.name)
-        if stale:
-            self.state.pool_wanted.set()
+        # only a sandbox of the very image asked for matches (a tenant's own template of the
+        # pool's name is another image); the filler drops the ones of a replaced image
         found = next((live for live in ready if pool.matches(live.running.spec, spec)), None)
         if found is None:
             return None
@@ -441,10 +432,28 @@ class WorkerService:
             return True
         return False
 
+    async def _drop_stale(self) -> None:
+        """Tear down pooled sandboxes whose template now names another image (an operator
+        replaced it): they would never be handed out."""
+        for template, ready in list(self.state.pool.items()):
+            if not ready or self.fetch_template is None:
+                continue
+            try:
+                current = await self._pool_image(template)
+            except Exception:  # no answer now: asked again at the next check
+                continue
+            want = None if current is None else current.digest
+            for live in [x for x in ready if pool.image_digest(x.running.spec) != want]:
+                ready.remove(live)
+                self._forget(live)
+                self._teardown_task(live.name)
+                log.info("sandbox.pool_stale", extra={"sandbox": live.name, "template": template})
+
     async def _fill_pools(self) -> None:
         """Keep every pool full, as far as capacity and budget allow."""
         while True:
             self.state.pool_wanted.clear()
+            await self._drop_stale()
             for template, size in self.pools.items():
                 while (
                     len(self.state.pool.get(template, []))

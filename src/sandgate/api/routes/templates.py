@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import IO, Annotated, Any
 
@@ -85,36 +85,75 @@ async def _build(name: str, request: Request, content_type: str, who: Viewer, sv
     context: Path | None = None
     if content_type == "application/json":
         raw = await _bounded_body(request, svc.settings.max_json_bytes)
-        document = _json_document(raw)
+        spec = build_spec.parse(_json_document(raw))
     else:
+        declared = request.headers.get("content-length")
+        if declared is None or not declared.isdigit():
+            raise InvalidRequestError("a multipart build needs a Content-Length")
+        if int(declared) > svc.settings.max_template_bytes:
+            raise PayloadTooLargeError(
+                f"the build's context is over {svc.settings.max_template_bytes} bytes"
+            )
         form = await request.form(max_files=1, max_fields=4)
-        field = form.get("build")
-        if not isinstance(field, str):
-            raise InvalidRequestError("a multipart build needs a 'build' field (the document)")
-        document = _json_document(field.encode())
-        upload = form.get("context")
-        if upload is not None and not isinstance(upload, str):
-            context = await asyncio.to_thread(_spool, upload.file)
-    spec = build_spec.parse(document)
-    events = svc.builds.build(who.tenant, name, spec, context)
+        try:
+            field = form.get("build")
+            if not isinstance(field, str):
+                raise InvalidRequestError("a multipart build needs a 'build' field (the document)")
+            spec = build_spec.parse(_json_document(field.encode()))  # before any copy is made
+            upload = form.get("context")
+            if upload is not None and not isinstance(upload, str):
+                context = await asyncio.to_thread(_spool, upload.file)
+        finally:
+            await form.close()
     try:
+        events = svc.builds.build(who.tenant, name, spec, context)
         first = await anext(events)  # refusals before anything ran are plain 4xx answers
     except BaseException:
         if context is not None:
-            await asyncio.to_thread(_discard, context)
+            _discard(context)
         raise
+    return StreamingResponse(_stream(first, events, context), media_type="application/x-ndjson")
 
-    async def lines() -> AsyncIterator[bytes]:
+
+HEARTBEAT_SECONDS = 15.0  # a build that says nothing this long sends a heartbeat line
+
+
+async def _stream(
+    first: dict[str, Any], events: AsyncGenerator[dict[str, Any], None], context: Path | None
+) -> AsyncIterator[bytes]:
+    """The build's events as NDJSON lines, with a `heartbeat` line whenever a step is quiet
+    (so neither a client's read timeout nor a proxy's idle timeout cuts a long step). The
+    build runs in a task of its own feeding a queue: the client leaving cancels it."""
+    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=64)
+
+    async def produce() -> None:
         try:
-            yield _line(first)
             async for event in events:
-                yield _line(event)
+                await queue.put(event)
         finally:
             await events.aclose()
-            if context is not None:
-                await asyncio.to_thread(_discard, context)
+            await queue.put(None)
 
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+    producer = asyncio.ensure_future(produce())
+    try:
+        yield _line(first)
+        while True:
+            try:
+                event = await asyncio.wait_for(queue.get(), HEARTBEAT_SECONDS)
+            except TimeoutError:
+                yield _line({"event": "heartbeat"})
+                continue
+            if event is None:
+                break
+            yield _line(event)
+        await producer  # its failure, if any, is the response's
+    finally:
+        if not producer.done():
+            producer.cancel()
+            with contextlib.suppress(BaseException):
+                await producer
+        if context is not None:
+            _discard(context)
 
 
 @router.get("/builds/{build_id}", response_model=BuildOut, responses=error_docs())

@@ -114,6 +114,7 @@ class SqlStore:
         self.begin_blob = templates.begin_blob
         self.write_blob_chunk = templates.write_blob_chunk
         self.complete_blob = templates.complete_blob
+        self.touch_blob = templates.touch_blob
         self.read_blob = templates.read_blob
         self.put_template = templates.put_template
         self.get_template = templates.get_template

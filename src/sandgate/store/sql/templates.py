@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any, Final
 
-from sqlalchemy import bindparam, delete, insert, select, update
+from sqlalchemy import bindparam, delete, func, insert, select, update
 
 from sandgate.core.clock import utcnow
 from sandgate.store.base import BuildRecord, TemplateRecord
@@ -20,7 +20,7 @@ from sandgate.store.schema import blob_chunks, blobs, build_cache, template_buil
 from sandgate.store.sql.engine import Database, PerDialect, dialect_insert
 
 BLOB_CHUNK: Final = 1 << 20
-BLOB_GRACE: Final = timedelta(minutes=10)  # an unreferenced blob younger than this is kept
+BLOB_GRACE: Final = timedelta(minutes=10)  # an unreferenced blob used more recently is kept
 
 _SELECT_TEMPLATE = select(templates).where(
     templates.c.owner == bindparam("b_owner"), templates.c.name == bindparam("b_name")
@@ -35,6 +35,13 @@ _DELETE_TEMPLATE = delete(templates).where(
 )
 _SELECT_BLOB = select(blobs).where(blobs.c.digest == bindparam("b_digest"))
 _COMPLETE_BLOB = update(blobs).where(blobs.c.digest == bindparam("b_digest")).values(complete=True)
+_TOUCH_BLOB = (
+    update(blobs).where(blobs.c.digest == bindparam("b_digest")).values(created_at=bindparam("now"))
+)
+_CHUNK_TOTALS = select(
+    func.count(blob_chunks.c.seq), func.coalesce(func.sum(func.length(blob_chunks.c.data)), 0)
+).where(blob_chunks.c.digest == bindparam("b_digest"))
+_ORPHAN_CHUNKS = delete(blob_chunks).where(blob_chunks.c.digest.not_in(select(blobs.c.digest)))
 _READ_CHUNKS = (
     select(blob_chunks.c.seq, blob_chunks.c.data)
     .where(
@@ -156,8 +163,22 @@ class Templates:
         await self._db.write(self._insert_chunk, {"digest": digest, "seq": seq, "data": data})
 
     @store_op
-    async def complete_blob(self, digest: str) -> None:
-        await self._db.write(_COMPLETE_BLOB, {"b_digest": digest})
+    async def complete_blob(self, digest: str, size: int) -> bool:
+        """Mark the blob complete if its row is there and its chunks hold exactly `size`
+        bytes; False when not (a sweep took it meanwhile: the caller writes it again)."""
+        async with self._db.begin() as conn:
+            row = (await conn.execute(_CHUNK_TOTALS, {"b_digest": digest})).first()
+            count, total = (int(row[0]), int(row[1])) if row is not None else (0, 0)
+            if total != size or count != (size + BLOB_CHUNK - 1) // BLOB_CHUNK:
+                return False
+            done = await conn.execute(_COMPLETE_BLOB, {"b_digest": digest})
+            return bool(done.rowcount)
+
+    @store_op
+    async def touch_blob(self, digest: str) -> bool:
+        """Mark a stored blob as used now (the sweep spares it for BLOB_GRACE); False if
+        there is no such blob."""
+        return await self._db.write(_TOUCH_BLOB, {"b_digest": digest, "now": utcnow()}) > 0
 
     @store_op
     async def read_blob(self, digest: str, offset: int, length: int) -> bytes | None:
@@ -224,6 +245,7 @@ class Templates:
                 await conn.execute(_DELETE_BLOB, {"b_digest": row.digest})
                 await conn.execute(_DELETE_CHUNKS, {"b_digest": row.digest})
             gone += 1
+        await self._db.write(_ORPHAN_CHUNKS, {})  # chunks a write left after its row was swept
         return gone
 
     # -- builds -------------------------------------------------------------------------------

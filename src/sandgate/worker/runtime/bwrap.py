@@ -83,7 +83,14 @@ def agent_argv() -> list[str]:
     ]
 
 
-def image_agent_argv(loader: str, library_dir: str, python: str, *, cwd: str) -> list[str]:
+def image_agent_argv(
+    loader: str,
+    library_dir: str,
+    python: str,
+    *,
+    cwd: str,
+    child_env: list[tuple[str, str]] | None = None,
+) -> list[str]:
     """The agent of a template sandbox: host paths given under HOST_USR_MOUNT's view; the
     whole copy-on-write root is the sandbox's own, and commands start in `cwd`."""
 
@@ -104,6 +111,7 @@ def image_agent_argv(loader: str, library_dir: str, python: str, *, cwd: str) ->
         inside(loader),
         "--library-path",
         inside(library_dir),
+        *(arg for key, value in child_env or () for arg in ("--env", f"{key}={value}")),
     ]
 
 
@@ -117,17 +125,22 @@ def image_workdir(image: ImageSpec) -> str:
     return workdir
 
 
-def image_uid(image: ImageSpec) -> int:
-    """The uid a template sandbox runs as inside: 0 for root (the OCI default), else the
-    number the image names (a name: looked up in its /etc/passwd by the worker beforehand)."""
+def check_image_user(image: ImageSpec) -> None:
+    """Refuse a template user that can be no uid inside (a name is looked up at start)."""
     user = image.user.partition(":")[0]
-    if user in ("", "root"):
-        return 0
-    if user.isdigit() and int(user) < 65534:
-        return int(user)
-    raise InvalidRequestError(
-        f"the template's user {image.user!r} is neither root nor a uid below 65534"
-    )
+    if user.isdigit() and int(user) >= 65534:
+        raise InvalidRequestError(f"the template's user {image.user!r} is not a uid below 65534")
+    if not user.replace("-", "").replace("_", "").replace(".", "").isalnum() and user:
+        raise InvalidRequestError(f"the template's user {image.user!r} is not a name or a uid")
+
+
+def agent_env(image: ImageSpec) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The image's environment split in two: what the agent runs with, and the LD_*
+    variables, which only the commands it starts get (the agent runs on the host's loader
+    and libraries: an image's LD_PRELOAD is for its own libc)."""
+    own = [(k, v) for k, v in image.env if not k.startswith("LD_")]
+    children = [(k, v) for k, v in image.env if k.startswith("LD_")]
+    return own, children
 
 
 def check_spec(spec: SandboxSpec) -> None:
@@ -190,6 +203,7 @@ class BwrapRuntime:
         self._disk_problem: str | None = "the runtime is not prepared"
         self.layer_store = self.state_dir / "layers"  # images.LayerCache keeps it
         self._host_python: tuple[str, str, str] | None = None  # loader, its dir, python
+        self._images_problem: str | None = "the runtime is not prepared"
         self.fd_share = fd_share
         self._file_limits = (0, 0)  # the host's fs.file-max and fs.nr_open
 
@@ -220,7 +234,7 @@ class BwrapRuntime:
             "disk_quota_inodes_per_mb": disk.INODES_PER_MB if self._disk_problem is None else 0,
             "fd_share": self.fd_share,
             # template root file systems (rootfs.py): idmapped layers under an overlay
-            "images": self._host_python is not None,
+            "images": self._host_python is not None and self._images_problem is None,
         }
 
     # ------------------------------------------------------------------ prepare
@@ -246,6 +260,14 @@ class BwrapRuntime:
             raise WorkerError(f"cannot write the sandbox /etc or seccomp filter: {exc}") from exc
         self._root_args = bwrap_host.root_args(self._etc_args)
         self._host_python = bwrap_host.host_python()
+        self._images_problem = await asyncio.to_thread(rootfs.probe, self.state_dir, self.uids.base)
+        if self._images_problem is not None:
+            log.warning(
+                "runtime.images_unavailable worker=%s (%s): this worker starts only the "
+                "built-in templates",
+                self.worker_name,
+                self._images_problem,
+            )
         self._disk_problem = await bwrap_host.probe_disk(self.state_dir, self.worker_name)
         self._file_limits = bwrap_host.file_limits()
         self._prepared = True
@@ -266,7 +288,7 @@ class BwrapRuntime:
                 "services on its 127.0.0.1)"
             )
         if spec.image is not None:
-            image_uid(spec.image)  # refused before anything is made
+            check_image_user(spec.image)  # refused before anything is made
             missing = [
                 layer.digest
                 for layer in spec.image.layers
@@ -280,7 +302,11 @@ class BwrapRuntime:
             elif self._host_python is None:
                 raise WorkerError("this host's Python cannot run the agent in a template sandbox")
             else:
-                argv = image_agent_argv(*self._host_python, cwd=image_workdir(spec.image))
+                argv = image_agent_argv(
+                    *self._host_python,
+                    cwd=image_workdir(spec.image),
+                    child_env=agent_env(spec.image)[1],
+                )
             self._check_agent_dir()
         if not argv:
             raise InvalidRequestError("empty argv")
@@ -313,6 +339,7 @@ class BwrapRuntime:
                 os.chmod(workspace, 0o700)
             root: Path | None = None
             points: dict[str, str] = {}
+            inner_uid = SANDBOX_UID
             if spec.image is not None:
                 names = [layer_name(layer.digest) for layer in spec.image.layers]
                 mounting = asyncio.ensure_future(
@@ -331,6 +358,7 @@ class BwrapRuntime:
                     with contextlib.suppress(BaseException):
                         await mounting
                     raise
+                inner_uid = await asyncio.to_thread(rootfs.lookup_user, root, spec.image.user, uid)
                 points = await asyncio.to_thread(
                     rootfs.make_mount_points,
                     root,
@@ -350,7 +378,7 @@ class BwrapRuntime:
                 cpus=spec.cpus,
             )
             seccomp_fd = seccomp.open_filter(self.seccomp_path)
-            args = self._bwrap_args(spec, workspace, tmp, seccomp_fd, root, points)
+            args = self._bwrap_args(spec, workspace, tmp, seccomp_fd, root, points, inner_uid)
             args_fd = _memfd_with(b"".join(a.encode() + b"\0" for a in args))
             cmd = self._command(uid, args_fd, argv, nofile=self.nofile_for(spec))
             process = await asyncio.create_subprocess_exec(
@@ -454,6 +482,7 @@ class BwrapRuntime:
         seccomp_fd: int,
         root: Path | None = None,
         points: dict[str, str] | None = None,
+        inner_uid: int = SANDBOX_UID,
     ) -> list[str]:
         """bwrap's options (not the command: bwrap takes that from its real argv only).
 
@@ -465,7 +494,6 @@ class BwrapRuntime:
         def where(path: str) -> str:
             return at.get(path, path)
 
-        inner_uid = SANDBOX_UID if spec.image is None else image_uid(spec.image)
         cmd = [
             "--unshare-user",
             "--uid",
@@ -519,7 +547,7 @@ class BwrapRuntime:
             "LANG",
             "C.UTF-8",
         ]
-        for key, value in spec.image.env if spec.image is not None else ():
+        for key, value in agent_env(spec.image)[0] if spec.image is not None else ():
             cmd += ["--setenv", key, value]  # the image's own (its PATH, ...), below the spec's
         for key, value in spec.env.items():
             cmd += ["--setenv", key, value]
