@@ -15,22 +15,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import bench as base  # noqa: E402  (bench/bench.py: its E2B code interpreter measurement)
-
-from sandgate.cli import launch  # noqa: E402
+import stack  # noqa: E402  (bench/stack.py)
 
 
 def line(what: str, values: list[float]) -> str:
@@ -43,55 +38,21 @@ def main() -> None:
     parser.add_argument("--creates", type=int, default=10, help="create samples")
     args = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="sandgate-bench-ci-"))
-    state_dir = Path("/var/lib/sandgate-bench") / uuid.uuid4().hex[:8]
-    db = f"sqlite:///{work / 'bench.db'}"
-    key = base.sandgate("keys", "create", "--db", db, "--tenant", "bench")
-    admin = base.sandgate("keys", "create", "--db", db, "--admin")
-    token = base.sandgate("keys", "create", "--db", db, "--worker")
-    port = base.free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = work / "bench.log"
-    server = launch.start(
-        launch.server_argv("--db", db, "--port", str(port), "--log-level", "WARNING"), log=log
-    )
-    worker = launch.start(
-        launch.worker_argv(
-            url,
-            "bench",
-            runtime="bwrap",
-            capacity=16,
-            state_dir=state_dir,
-            extra=("--log-level", "WARNING", "--allow-network", "--pool=code-interpreter=3"),
-        ),
-        log=log,
-        env=launch.child_env(token=token),
-    )
-    try:
-        launch.wait_worker(url, key, proc=worker, log=log, interval=0.1, what="the worker")
+    with stack.running("--allow-network", "--pool=code-interpreter=3") as running:
+        url, key = running.url, running.key
         time.sleep(5)  # the pool fills
         host = base.code_interpreter(url, key, args.n, args.creates)
         began = time.perf_counter()
         subprocess.run(
-            [str(ROOT / "scripts" / "build-templates"), url, admin],
+            [str(ROOT / "scripts" / "build-templates"), url, running.admin],
             check=True,
             capture_output=True,
             timeout=1800,
         )
         build_s = time.perf_counter() - began
-        base.code_interpreter(url, key, 1, 3)  # the first hand-outs replace the stale pool
-        time.sleep(10)
+        base.code_interpreter(url, key, 1, 3)  # the first hand-outs after the image replaced it
+        time.sleep(10)  # the filler drops the stale pool and refills it with the image
         image = base.code_interpreter(url, key, args.n, args.creates)
-    finally:
-        for proc in (worker, server):
-            proc.send_signal(signal.SIGTERM)
-        for proc in (worker, server):
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        shutil.rmtree(state_dir, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
 
     print(f"sandgate bench code interpreter image  cpus={os.cpu_count()}")
     print(f"build     scripts/build-templates (bootstrap + build)  {build_s:8.1f} s")

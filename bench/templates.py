@@ -20,33 +20,25 @@ import argparse
 import io
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+import stack  # noqa: E402  (bench/stack.py)
 from tests.images import Layer, base_layer, oci_archive, top_layer  # noqa: E402
 
-from sandgate.cli import launch  # noqa: E402
 from sandgate.worker import layers  # noqa: E402
 
 SOURCES = ("/usr/lib/python3", "/usr/lib/python3.11", "/usr/share", "/usr/lib/x86_64-linux-gnu")
-
-
-def sandgate(*args: str) -> str:
-    exe = Path(sys.executable).parent / "sandgate"
-    return subprocess.run(
-        [str(exe), *args], capture_output=True, text=True, check=True
-    ).stdout.strip()
 
 
 def bulk_layer(megabytes: int) -> Layer:
@@ -116,7 +108,6 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="sandgate-bench-templates-"))
-    state_dir = Path("/var/lib/sandgate-bench") / uuid.uuid4().hex[:8]
     big = bulk_layer(args.mb)
     big_tar = big.tar()
     archive = oci_archive(work / "image.tar", [base_layer(), big, top_layer()])
@@ -125,31 +116,9 @@ def main() -> None:
 
     unpack_s, tar_s = timed_unpack(big_tar, work)
 
-    db = f"sqlite:///{work / 'bench.db'}"
-    key = sandgate("keys", "create", "--db", db, "--tenant", "bench")
-    token = sandgate("keys", "create", "--db", db, "--worker")
-    port = launch_port()
-    url = f"http://127.0.0.1:{port}"
-    log = work / "bench.log"
-    server = launch.start(
-        launch.server_argv("--db", db, "--port", str(port), "--log-level", "WARNING"), log=log
-    )
-    worker = launch.start(
-        launch.worker_argv(
-            url,
-            "bench",
-            runtime="bwrap",
-            capacity=16,
-            state_dir=state_dir,
-            extra=("--log-level", "WARNING"),
-        ),
-        log=log,
-        env=launch.child_env(token=token),
-    )
-    try:
-        launch.wait_worker(url, key, proc=worker, log=log, interval=0.1, what="the worker")
-        headers = {"Authorization": f"Bearer {key}"}
-        with httpx.Client(base_url=url, headers=headers, timeout=600) as client:
+    with stack.running() as running:
+        headers = {"Authorization": f"Bearer {running.key}"}
+        with httpx.Client(base_url=running.url, headers=headers, timeout=600) as client:
             start = time.perf_counter()
             with open(archive, "rb") as body:
                 made = client.post("/api/v1/templates", params={"name": "big"}, content=body)
@@ -164,16 +133,7 @@ def main() -> None:
 
             cold_default = cold_creates(client, "default", args.creates)
             cold_image = cold_creates(client, "big", args.creates)
-    finally:
-        for proc in (worker, server):
-            proc.send_signal(signal.SIGTERM)
-        for proc in (worker, server):
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(state_dir, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
 
     ratio = statistics.median(cold_image) / statistics.median(cold_default)
     print(f"sandgate bench templates  cpus={os.cpu_count()}  load={os.getloadavg()[0]:.2f}")
@@ -188,14 +148,6 @@ def main() -> None:
     print(f"baseline  create-to-running, default (cold)  {summary(cold_default)}")
     print(f"API       create-to-running, image (cold)    {summary(cold_image)}")
     print(f"ratio     image / default cold create        {ratio:.2f}x")
-
-
-def launch_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def _unpack_member(
     if not parts:
         return  # the root itself
     *parents, leaf = parts
-    parent_fd = _open_dir(root_fd, parents, create=True)
+    parent_fd = open_dir(root_fd, parents, create=True)
     try:
         if leaf == OPAQUE_MARKER:
             os.setxattr(f"/proc/self/fd/{parent_fd}", OPAQUE_XATTR, b"y")
@@ -149,7 +149,7 @@ def _unpack_member(
             *link_parents, link_leaf = member_parts(member.linkname) or [""]
             if not link_leaf:
                 raise LayerError(f"layer member {member.name!r} links to the root")
-            source_fd = _open_dir(root_fd, link_parents, create=False)
+            source_fd = open_dir(root_fd, link_parents, create=False)
             try:
                 os.link(
                     link_leaf,
@@ -173,7 +173,7 @@ def _unpack_member(
         os.close(parent_fd)
 
 
-def _open_dir(root_fd: int, parts: list[str], *, create: bool) -> int:
+def open_dir(root_fd: int, parts: list[str], *, create: bool) -> int:
     """A descriptor of root/parts..., each component opened without following a link."""
     fd = os.dup(root_fd)
     try:
@@ -216,4 +216,4 @@ def _remove(parent_fd: int, name: str) -> None:
     os.rmdir(name, dir_fd=parent_fd)
 
 
-__all__ = ("LayerError", "UnpackStats", "layer_name", "unpack")
+__all__ = ("LayerError", "UnpackStats", "layer_name", "open_dir", "unpack")

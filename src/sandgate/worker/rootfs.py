@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from sandgate.errors import InvalidRequestError, WorkerError
+from sandgate.worker.layers import open_dir
 
 _SYS_OPEN_TREE = 428  # x86_64 and aarch64 share these numbers (the unified syscall table)
 _SYS_MOVE_MOUNT = 429
@@ -206,16 +207,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _open_path(root_fd: int, parts: list[str]) -> int:
-    fd = os.dup(root_fd)
-    try:
-        for part in parts:
-            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = child
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return open_dir(root_fd, parts, create=False)
 
 
 def _resolve_dir(root_fd: int, path: str, host_uid: int) -> list[str]:
