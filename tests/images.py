@@ -108,7 +108,7 @@ IMAGE_CONFIG = {
     "Env": ["PATH=/usr/bin:/bin", "GREETING=from-config"],
     "WorkingDir": "/app",
     "User": "root",
-    "Cmd": ["/bin/sh"],
+    "Cmd": ["/bin/sh", "-c", "echo started > /tmp/cmd-ran"],
 }
 
 

@@ -23,7 +23,7 @@ class ServerSettings(_Frozen):
     e2b_domain: str | None = None
     # sandboxes
     # what `template` may name; the worker starts each (worker/pool.py TEMPLATES)
-    templates: tuple[str, ...] = ("default", "code-interpreter")
+    templates: tuple[str, ...] = ("default", "base", "code-interpreter")
     default_timeout: float = 300.0  # seconds of life when a create names none
     max_timeout: float = 24 * 3600.0
     start_timeout: float = 30.0  # provision must answer within this

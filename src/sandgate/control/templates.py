@@ -23,6 +23,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from sandgate.agent.frames import Header
@@ -42,6 +43,7 @@ from sandgate.store.sql.templates import BLOB_CHUNK
 
 log = logging.getLogger(__name__)
 
+BUILTIN_ALIASES = MappingProxyType({"base": "default"})  # E2B's name for the host root
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 MAX_CHUNK_READ = 4 << 20  # a worker's `blob` request gets at most this much
 
@@ -95,6 +97,7 @@ class TemplateService:
 
     # -- resolving (every create) -----------------------------------------------------------
     async def resolve(self, tenant: TenantId, name: str) -> Resolved:
+        name = BUILTIN_ALIASES.get(name, name)  # base: the default template's other name
         if name in self.settings.templates:
             # a built-in, unless the operator published an image under its name
             public = await self.store.get_template(PUBLIC_OWNER, name)

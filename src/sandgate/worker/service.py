@@ -344,6 +344,8 @@ class WorkerService:
                 raise SandboxTimeoutError(
                     f"sandbox {spec.name} agent not ready within {AGENT_READY_TIMEOUT:g} s"
                 )
+            if spec.image is not None and spec.image.cmd:
+                await self._start_image_cmd(live, spec.image.cmd)
             return live
         except BaseException:
             # abandoned (a destroy, a dropped link) or failed: torn down durably, as a destroy
@@ -520,6 +522,19 @@ class WorkerService:
             self.state.pool_starting[template] -= 1
             self.state.pool_wanted.set()
 
+    async def _start_image_cmd(self, live: LiveSandbox, cmd: tuple[str, ...]) -> None:
+        """The image's command (OCI `Cmd`), started as a background process of the sandbox
+        (tagged `cmd`, stdin closed), as a container would start it; one that cannot start
+        is logged, and the sandbox serves commands all the same."""
+        fields: dict[str, Any] = {"argv": list(cmd), "tag": "cmd", "stdin": False}
+        try:
+            await live.link.channel.request("proc_start", fields, b"", wait=10.0)
+        except Exception as exc:
+            log.warning(
+                "sandbox.image_cmd_failed",
+                extra={"sandbox": live.name, "cmd": list(cmd), "error": repr(exc)},
+            )
+
     async def _boot_context(self, live: LiveSandbox, *, wait: bool) -> None:
         """Start the template's default code context (its kernel); with `wait`, until the
         kernel answers."""
@@ -670,6 +685,7 @@ def _image(raw: Any) -> ImageSpec | None:
         env=tuple((str(k), str(v)) for k, v in (raw.get("env") or {}).items()),
         workdir=str(raw.get("workdir") or ""),
         user=str(raw.get("user") or ""),
+        cmd=tuple(str(x) for x in raw.get("cmd") or ()),
     )
 
 

@@ -80,6 +80,9 @@ def test_oci_image_layers_config_and_copy_on_write(alpha: httpx.Client, oci_temp
         assert lines[6] == "0", "an image whose user is root runs as root (in its namespace)"
         assert "No such file" in lines[7], "the host's /usr is not this sandbox's"
         assert sh(alpha, first, "pwd")["stdout"] == "/app\n", "WorkingDir is where commands start"
+        wait = "i=0; while ! test -e /tmp/cmd-ran && [ $i -lt 200000 ]; do i=$((i+1)); done"
+        ran = sh(alpha, first, f"{wait}; cat /tmp/cmd-ran")
+        assert ran["stdout"] == "started\n", "the image's Cmd ran in the background"
         # the files API reaches the whole root of a template sandbox (it is the sandbox's own)
         put = alpha.put(
             f"/api/v1/sandboxes/{first}/toolbox/files",
@@ -170,6 +173,13 @@ def test_bad_archives_are_refused_and_nothing_is_recorded(
         assert alpha.get(f"/api/v1/templates/{name}").status_code == 404
     assert upload(alpha, "default", good).status_code == 409, "a built-in name is never taken"
     assert upload(alpha, "Bad Name", good).status_code in (400, 422)
+
+
+def test_base_is_the_default_template(alpha: httpx.Client) -> None:
+    made = alpha.post("/api/v1/sandboxes", json={"template": "base"})
+    assert made.status_code == 201, made.text
+    assert made.json()["template"] == "default"
+    alpha.delete(f"/api/v1/sandboxes/{made.json()['name']}")
 
 
 def test_unknown_template_and_tenancy(

@@ -109,7 +109,7 @@ async def create(
     try:
         resolved = await svc.templates.resolve(who, template)
     except NotFoundError:
-        known = ", ".join(["base", *svc.settings.templates])
+        known = ", ".join(svc.settings.templates)
         raise NotFoundError(
             f"template {body.templateID!r} not found; this server has: {known} and the "
             "templates imported with sandgate templates import"

@@ -67,7 +67,7 @@ def create_request(
         raise InvalidRequestError(f"timeout is at most {settings.max_timeout:g} seconds")
     resources = caps.resolve(body.resources.model_dump(), settings.caps)
     return CreateRequest(
-        template=body.template,
+        template=template.name,
         timeout=timeout,
         metadata=body.metadata,
         env=body.env,

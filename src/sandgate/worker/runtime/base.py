@@ -30,6 +30,7 @@ class ImageSpec:
     env: tuple[tuple[str, str], ...] = ()  # below the sandbox's own env
     workdir: str = ""  # the agent's working directory ("" = /workspace)
     user: str = ""  # "" or root: uid 0 inside; a number: that uid (its files look its own)
+    cmd: tuple[str, ...] = ()  # started in the background once the sandbox is up
 
     @property
     def size(self) -> int:
