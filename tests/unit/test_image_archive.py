@@ -119,7 +119,7 @@ def test_an_oci_archive_parses_with_its_digests_and_config(tmp_path: Path) -> No
         env={"PATH": "/usr/bin:/bin", "GREETING": "from-config"},
         workdir="/app",
         user="root",
-        cmd=["/bin/sh"],
+        cmd=["/bin/sh", "-c", "echo started > /tmp/cmd-ran"],
     )
     for layer, want in zip(parsed.layers, blobs, strict=True):
         stream, tar = open_layer(path, layer)
