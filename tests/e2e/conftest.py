@@ -37,6 +37,7 @@ from sqlalchemy import make_url
 from sandgate.cli import launch as launcher
 from tests import logrecords
 from tests.integration.api.conftest import free_port, sandgate
+from tests.keys import create_keys
 from tests.statedirs import remove_state
 
 RUNTIME = os.environ.get("SANDGATE_E2E_RUNTIME", "process")
@@ -325,6 +326,7 @@ def running_cluster(
         secret_file = base / "secret"
         secret_file.write_text(secrets.token_urlsafe(48))
         secret_file.chmod(0o600)
+        tenant_keys, token, admin_key = create_keys(db_url, ("e2e",), worker_name=WORKER)
         cl = Cluster(
             admin_dsn=admin,
             db=db,
@@ -332,9 +334,9 @@ def running_cluster(
             base=base,
             state_dir=state_dir,
             secret_file=secret_file,
-            key=sandgate("keys", "create", "--db", db_url, "--tenant", "e2e"),
-            worker_token=sandgate("keys", "create", "--db", db_url, "--worker", "--name", WORKER),
-            admin_key=sandgate("keys", "create", "--db", db_url, "--admin"),
+            key=tenant_keys["e2e"],
+            worker_token=token,
+            admin_key=admin_key,
         )
         a = cl.start_instance("A", extra=extra, port=a_port, node_url=a_node_url)
         cl.start_instance("B", extra=extra)

@@ -24,6 +24,7 @@ import pytest
 
 from sandgate.cli import launch
 from tests import logrecords
+from tests.keys import create_keys
 from tests.statedirs import remove_state
 
 RUNTIME = os.environ.get("SANDGATE_TEST_RUNTIME", "bwrap")
@@ -147,9 +148,7 @@ def start_deployment(
     data_dir = base / "data"
     data_dir.mkdir(parents=True)
     db = f"sqlite:///{data_dir / 'sandgate.db'}"
-    keys = {t: sandgate("keys", "create", "--db", db, "--tenant", t) for t in ("alpha", "beta")}
-    token = sandgate("keys", "create", "--db", db, "--worker")
-    admin_key = sandgate("keys", "create", "--db", db, "--admin")
+    keys, token, admin_key = create_keys(db, ("alpha", "beta"))
     port = free_port()
     state_dir = Path("/var/lib/sandgate-test") / uuid.uuid4().hex[:10]
     dep = Deployment(
