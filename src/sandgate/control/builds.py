@@ -33,7 +33,7 @@ from typing import Any
 
 from sandgate.config import ServerSettings
 from sandgate.control.create import CreatePipeline, CreateRequest
-from sandgate.control.image_archive import MAX_LAYERS, ArchiveLayer
+from sandgate.control.image_archive import MAX_LAYERS, ArchiveLayer, file_digest
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.templates import TemplateService, check_name, image_digest
 from sandgate.control.toolbox import Toolbox
@@ -424,10 +424,4 @@ def copy_layer(context: Path, step: Step, out: Path) -> tuple[str, int]:
                 elif member.isfile():
                     info.size = member.size
                     layer.addfile(info, source.extractfile(member))
-    hasher = hashlib.sha256()
-    size = 0
-    with open(out, "rb") as f:
-        while chunk := f.read(1 << 20):
-            hasher.update(chunk)
-            size += len(chunk)
-    return "sha256:" + hasher.hexdigest(), size
+    return file_digest(out)

@@ -120,8 +120,13 @@ def _check_end(path: Path, offset: int) -> None:
         )
 
 
+def file_digest(path: Path) -> tuple[str, int]:
+    """The sha256 digest (sha256:<hex>) and size of a file."""
+    return _hash(_chunks_of_file(path))
+
+
 def _rootfs(path: Path, media: str) -> ParsedArchive:
-    digest, size = _hash(_chunks_of_file(path))
+    digest, size = file_digest(path)
     with open(path, "rb") as raw:
         _check_layer(raw, media, size, "the root file system")
     layer = ArchiveLayer(member=None, digest=digest, size=size, media=media)

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Annotated, Any
 
@@ -159,17 +160,7 @@ async def _stream(
 @router.get("/builds/{build_id}", response_model=BuildOut, responses=error_docs())
 async def get_build(build_id: str, who: Who, svc: Svc) -> Any:
     """A build's record: its state, its whole log (the last 1 MiB), its error."""
-    record = await svc.builds.get(who.tenant, build_id)
-    return {
-        "id": record.id,
-        "name": record.name,
-        "state": record.state,
-        "log": record.log,
-        "error": record.error,
-        "digest": record.digest,
-        "created_at": record.created_at,
-        "finished_at": record.finished_at,
-    }
+    return asdict(await svc.builds.get(who.tenant, build_id))  # BuildOut leaves out its owner
 
 
 def _shown(record: TemplateRecord) -> dict[str, Any]:

@@ -8,6 +8,7 @@ the same blob write the same chunks: inserts that find a chunk there skip it.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from datetime import datetime, timedelta
 from typing import Any, Final
 
@@ -253,20 +254,7 @@ class Templates:
     async def insert_build(self, record: BuildRecord, *, keep: int) -> None:
         """Record a build starting; the owner's builds past the newest `keep` go."""
         async with self._db.begin() as conn:
-            await conn.execute(
-                insert(template_builds),
-                {
-                    "id": record.id,
-                    "owner": record.owner,
-                    "name": record.name,
-                    "state": record.state,
-                    "log": record.log,
-                    "error": record.error,
-                    "digest": record.digest,
-                    "created_at": record.created_at,
-                    "finished_at": record.finished_at,
-                },
-            )
+            await conn.execute(insert(template_builds), asdict(record))
             old = await conn.execute(_OWNER_BUILDS, {"b_owner": record.owner, "b_keep": keep})
             for row in old.fetchall():
                 await conn.execute(_DELETE_BUILD, {"b_id": row.id})
