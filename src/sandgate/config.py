@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from sandgate.core.caps import ResourceCaps
+from sandgate.core.egress_policy import DEFAULT_DENY
 
 
 class _Frozen(BaseModel):
@@ -79,7 +80,14 @@ class WorkerSettings(_Frozen):
     capacity: int = Field(default=16, ge=1)
     runtime: str = "bwrap"  # "bwrap" | "process"
     state_dir: Path = Path("/var/lib/sandgate")
-    allow_network: bool = False  # gives network=true sandboxes the HOST network namespace
+    # sandboxes' network through the egress gate (worker/egress.py): off with --no-network;
+    # CIDRs no sandbox reaches (default: private, loopback, link-local, reserved ranges) and
+    # the ones carved out of them; the gate's upstream DNS ("" = the host's resolv.conf)
+    network: bool = True
+    egress_deny: tuple[str, ...] = DEFAULT_DENY
+    egress_permit: tuple[str, ...] = ()
+    egress_resolver: str = ""
+    sandbox_subnet: str = "10.211.0.0/16"
     # the share of the host's fs.file-max one sandbox at its limits may hold (worker.fds)
     fd_share: float = Field(default=0.1, gt=0, le=1)
     # the sandboxes' memory limits (disk quotas) together may be this many times what the

@@ -278,14 +278,47 @@ def worker(
     state_dir: Annotated[Path, typer.Option(envvar="SANDGATE_STATE_DIR")] = Path(
         "/var/lib/sandgate"
     ),
-    allow_network: Annotated[
+    network: Annotated[
         bool,
         typer.Option(
-            "--allow-network",
-            envvar="SANDGATE_ALLOW_NETWORK",
-            help="let network=true sandboxes use the HOST network namespace",
+            "--network/--no-network",
+            envvar="SANDGATE_NETWORK",
+            help="give sandboxes that ask a network whose only way out is this worker's "
+            "egress gate (needs root, iproute2, nftables); --no-network: none ever",
         ),
-    ] = False,
+    ] = True,
+    egress_permit: Annotated[
+        list[str] | None,
+        typer.Option(
+            envvar="SANDGATE_EGRESS_PERMIT",
+            help="CIDR sandboxes may reach although it is in the denied ranges (e.g. an "
+            "internal package mirror); repeat for several",
+        ),
+    ] = None,
+    egress_deny: Annotated[
+        list[str] | None,
+        typer.Option(
+            envvar="SANDGATE_EGRESS_DENY",
+            help="CIDR no sandbox may reach, whatever its policy; repeat for several "
+            "(default: loopback, private, shared, link-local and reserved ranges; giving "
+            "any replaces the default list)",
+        ),
+    ] = None,
+    egress_resolver: Annotated[
+        str,
+        typer.Option(
+            envvar="SANDGATE_EGRESS_RESOLVER",
+            help="HOST[:PORT] of the DNS server the gate resolves names with (default: the "
+            "host's /etc/resolv.conf)",
+        ),
+    ] = "",
+    sandbox_subnet: Annotated[
+        str,
+        typer.Option(
+            envvar="SANDGATE_SANDBOX_SUBNET",
+            help="IPv4 range the sandboxes' links are numbered from (a /30 each)",
+        ),
+    ] = "10.211.0.0/16",
     fd_share: Annotated[
         float,
         typer.Option(
@@ -329,7 +362,13 @@ def worker(
     """Run a worker: dial the control plane and host sandboxes."""
     from sandgate import faults
     from sandgate.config import WorkerSettings
+    from sandgate.core.egress_policy import DEFAULT_DENY, OperatorBounds, PolicyError
     from sandgate.worker.main import run_worker
+
+    try:
+        OperatorBounds.of(egress_deny or DEFAULT_DENY, egress_permit or ())
+    except PolicyError as exc:
+        raise typer.BadParameter(exc.message, param_hint="--egress-permit/--egress-deny") from None
 
     logs.setup(log_level)
     try:
@@ -356,7 +395,11 @@ def worker(
         capacity=capacity,
         runtime=runtime,
         state_dir=state_dir,
-        allow_network=allow_network,
+        network=network,
+        egress_permit=tuple(egress_permit or ()),
+        egress_deny=tuple(egress_deny) if egress_deny else DEFAULT_DENY,
+        egress_resolver=egress_resolver,
+        sandbox_subnet=sandbox_subnet,
         fd_share=fd_share,
         memory_overcommit=memory_overcommit,
         disk_overcommit=disk_overcommit,

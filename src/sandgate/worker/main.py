@@ -27,6 +27,7 @@ from sandgate.faults import FAULTS
 from sandgate.tunnel.client import TunnelClient
 from sandgate.tunnel.rpc import RpcChannel
 from sandgate.worker import budget, pool
+from sandgate.worker.egress import EgressConfig
 from sandgate.worker.runtime.base import Runtime
 from sandgate.worker.service import WorkerService
 from sandgate.worker.state import WorkerLocalState
@@ -117,6 +118,17 @@ def lock_state_dir(state_dir: Path, wait_timeout: float = LOCK_WAIT_TIMEOUT) -> 
         time.sleep(LOCK_POLL_INTERVAL)
 
 
+def egress_config(settings: WorkerSettings) -> EgressConfig | None:
+    if not settings.network:
+        return None
+    return EgressConfig(
+        deny=settings.egress_deny,
+        permit=settings.egress_permit,
+        resolver=settings.egress_resolver,
+        subnet=settings.sandbox_subnet,
+    )
+
+
 def make_runtime(settings: WorkerSettings, state_dir: Path, agent_dir: Path) -> Runtime:
     scope = runtime_scope(settings.name, state_dir)
     if settings.runtime == "bwrap":
@@ -126,7 +138,7 @@ def make_runtime(settings: WorkerSettings, state_dir: Path, agent_dir: Path) -> 
             state_dir,
             agent_dir,
             worker_name=scope,
-            allow_network=settings.allow_network,
+            egress=egress_config(settings),
             fd_share=settings.fd_share,
         )
     if settings.runtime == "process":

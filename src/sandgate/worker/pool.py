@@ -59,7 +59,6 @@ def pooled_spec(template: str, image: ImageSpec | None = None) -> SandboxSpec:
     return SandboxSpec(
         name=POOL_NAME_PREFIX + secrets.token_hex(6),
         template=template,
-        network=False,
         image=image,
     )
 
@@ -68,11 +67,12 @@ def image_digest(spec: SandboxSpec) -> str | None:
     return None if spec.image is None else spec.image.digest
 
 
-def matches(pooled: SandboxSpec, wanted: SandboxSpec) -> bool:
-    """Whether a provision can take this pooled sandbox instead of starting one."""
+def matches(pooled: SandboxSpec, wanted: SandboxSpec, *, network_switches: bool) -> bool:
+    """Whether a provision can take this pooled sandbox instead of starting one (pooled
+    sandboxes start with no network; `network_switches`: the runtime can turn it on)."""
     return (
         wanted.pool
-        and not wanted.network
+        and (network_switches or not wanted.network.enabled)
         and pooled.template == wanted.template
         and image_digest(pooled) == image_digest(wanted)
         and pooled.resources() == wanted.resources()

@@ -11,6 +11,8 @@ Tunnel operations (server → worker):
 | `metrics` | `name` | `timestamp`, `cpu_count`, `cpu_used_pct`, `mem_*`, `disk_*` (`metrics`) |
 | `export_root` | `name` | `digest`, `size`, `entries` of its root's changes as a layer |
 | `export_read` | `name`, `offset` | up to `BLOB_CHUNK` bytes of that layer (empty at its end) |
+| `set_network` | `name`, `network` (false, true or {allow_out, deny_out}) | as `network` |
+| `network` | `name` | `network`, `allowed`, `refused`, `dns_refused`, `recent_refusals` |
 
 Requests (worker → server): `template` {name} → `image` (null: the built-in) for a pool;
 `blob` {digest, offset} → up to 4 MiB of an image
@@ -32,6 +34,7 @@ from typing import Any
 
 from sandgate.agent.frames import Header
 from sandgate.core import placement
+from sandgate.core.egress_policy import NetworkPolicy, parse_policy
 from sandgate.errors import (
     ConflictError,
     DiskQuotaExceededError,
@@ -130,6 +133,13 @@ class WorkerService:
             return {"existed": existed}, b""
         if op == "metrics":
             return await self._metrics(str(header.get("name", ""))), b""
+        if op == "set_network":
+            live = self._running(str(header.get("name", "")))
+            policy = parse_policy(header.get("network"))
+            await self._set_network(live, policy)
+            return self._network_state(live), b""
+        if op == "network":
+            return self._network_state(self._running(str(header.get("name", "")))), b""
         if op == "export_root":
             return await self._export_root(str(header.get("name", ""))), b""
         if op == "export_read":
@@ -401,7 +411,15 @@ class WorkerService:
         ready = self.state.pool.get(spec.template, [])
         # only a sandbox of the very image asked for matches (a tenant's own template of the
         # pool's name is another image); the filler drops the ones of a replaced image
-        found = next((live for live in ready if pool.matches(live.running.spec, spec)), None)
+        switches = bool(getattr(self.runtime, "switches_network", False))
+        found = next(
+            (
+                live
+                for live in ready
+                if pool.matches(live.running.spec, spec, network_switches=switches)
+            ),
+            None,
+        )
         if found is None:
             return None
         live = found
@@ -414,6 +432,8 @@ class WorkerService:
                 tag = "ctx:" + pool.BOOT_CONTEXT[spec.template]
                 fields = {"tag": tag, "close": False}
                 await live.link.channel.request("proc_stdin", fields, line, wait=10.0)
+            if spec.network.enabled:
+                await self._set_network(live, spec.network)
         except Exception:  # its agent failed: this one goes, the create starts its own
             log.exception("sandbox.pool_handout_failed", extra={"sandbox": live.name})
             self._forget(live)
@@ -574,6 +594,22 @@ class WorkerService:
         reply.pop("ok", None)
         return reply, body
 
+    async def _set_network(self, live: LiveSandbox, policy: NetworkPolicy) -> None:
+        setter = getattr(self.runtime, "set_network", None)
+        if setter is None:
+            raise NotSupportedError(
+                f"the {self.runtime.name} runtime cannot change a running sandbox's network"
+            )
+        await setter(live.running, policy)
+        log.info("sandbox.network_set", extra={"sandbox": live.name, "network": policy.to_json()})
+
+    def _network_state(self, live: LiveSandbox) -> Header:
+        reader = getattr(self.runtime, "network_state", None)
+        if reader is None:
+            return {"network": live.running.spec.network.to_json()}
+        state: Header = reader(live.running)
+        return state
+
     async def _metrics(self, name: str) -> Header:
         """What the sandbox uses now, measured on this host (`worker/metrics.py`)."""
         live = self._running(name)
@@ -657,7 +693,7 @@ def _spec(header: Header) -> SandboxSpec:
         return SandboxSpec(
             name=name,
             env={str(k): str(v) for k, v in (spec.get("env") or {}).items()},
-            network=bool(spec.get("network", False)),
+            network=parse_policy(spec.get("network", False)),
             memory_mb=int(spec.get("memory_mb", 512)),
             cpus=float(spec.get("cpus", 1.0)),
             pids=int(spec.get("pids", 256)),

@@ -131,6 +131,26 @@ WORKER_STATE: Mapping[str, StateRow] = MappingProxyType(
 # with its owner
 WORKER_OBJECT_STATE: Mapping[str, StateRow] = MappingProxyType(
     {
+        "EgressGate.sandboxes": StateRow(
+            "each sandbox's network policy and its gate counters (allowed, refused, DNS "
+            "refused, the last 20 refusals)",
+            "one entry per sandbox on this worker",
+            "per-process by nature: the gate is this worker's; the policy is durable in the "
+            "sandbox's row and sent with every provision and PUT …/network",
+        ),
+        "EgressGate.by_address": StateRow(
+            "which sandbox a link address belongs to, so the gate knows who connects",
+            "one per sandbox whose network is on",
+            "per-process by nature: the links are this host's",
+        ),
+        "EgressGate._servers": StateRow(
+            "the gate's proxy and DNS listeners", "three", "per-process by nature"
+        ),
+        "EgressGate._tasks": StateRow(
+            "connections and DNS queries being served",
+            "the sandboxes' open connections (each within its pids and fd limits)",
+            "per-process by nature; cancelled when the worker stops",
+        ),
         "AgentLink._buffered": StateRow(
             "frames decoded from an agent's pipe, not yet dispatched",
             "one read (64 KiB) worth of frames",

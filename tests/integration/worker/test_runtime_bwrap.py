@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from sandgate.errors import InvalidRequestError, NetworkUnavailableError, WorkerError
+from sandgate.errors import InvalidRequestError, WorkerError
 from sandgate.worker import cgroups
 from sandgate.worker.cgroups import SandboxCgroups
 from sandgate.worker.runtime.base import RunningSandbox, SandboxSpec
@@ -600,32 +600,6 @@ def test_no_network_by_default(rt: BwrapRuntime) -> None:
     assert r["far"] in ("ENETUNREACH", "EHOSTUNREACH")
     assert r["dns"] != "resolved"
     assert r["own_loopback"] == "connected"
-
-
-def test_network_needs_allow_network(rt: BwrapRuntime) -> None:
-    held = rt.uids.held()
-    name = uniq("n")
-    with pytest.raises(NetworkUnavailableError, match="--allow-network") as info:
-        asyncio.run(rt.start(SandboxSpec(name=name, network=True), argv=["/bin/true"]))
-    assert "HOST network" in info.value.message
-    assert rt.uids.held() == held
-    assert not (rt.sandboxes_dir / name).exists()
-
-
-def test_allow_network_gives_host_namespace(env: Env) -> None:
-    rt2 = other_runtime(env, allow_network=True)
-    asyncio.run(rt2.prepare())
-    assert rt2.features()["network"] == "host-optional"
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        port = listener.getsockname()[1]
-        on = run(rt2, py(NET_PROBE, str(port)), SandboxSpec(name=uniq(), network=True)).json()
-        off = run(rt2, py(NET_PROBE, str(port)), SandboxSpec(name=uniq(), network=False)).json()
-    assert on["devs"] == _host_devs()
-    assert on["host_port"] == "connected"
-    assert off["devs"] == ["lo"]
-    assert off["host_port"] == "ECONNREFUSED"
 
 
 # ------------------------------------------------------------------ limits

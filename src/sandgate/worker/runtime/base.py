@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from sandgate.core.egress_policy import NO_NETWORK, NetworkPolicy
+
 
 @dataclass(frozen=True)
 class LayerRef:
@@ -41,7 +43,7 @@ class ImageSpec:
 class SandboxSpec:
     name: str  # also the hostname inside the sandbox; [a-z0-9-], at most 63 chars
     env: dict[str, str] = field(default_factory=dict)
-    network: bool = False
+    network: NetworkPolicy = NO_NETWORK  # what the egress gate lets out (worker/egress.py)
     memory_mb: int = 512
     cpus: float = 1.0
     pids: int = 256

@@ -8,8 +8,7 @@ Per sandbox (see docs/decisions/0001-bwrap-runtime.md for why):
   joined by a tiny ``sh`` before anything else runs;
 * ``setpriv`` drops to the leased uid/gid, clears groups, capabilities and sets
   no_new_privs, then execs ``bwrap`` which builds a user namespace (uid 1000 inside, nested
-  user namespaces disabled), pid/ipc/uts/cgroup namespaces, a network namespace with only
-  ``lo`` unless the sandbox asked for (host) network, a read-only tmpfs root with the host's
+  user namespaces disabled), pid/ipc/uts/cgroup namespaces, a read-only tmpfs root with the host's
   /usr and a generated minimal /etc, a writable /workspace and /tmp, and a seccomp filter
   (`seccomp.py`).
 
@@ -18,12 +17,17 @@ Per sandbox (see docs/decisions/0001-bwrap-runtime.md for why):
   devices are missing, features() says ``disk_quota: false`` and /tmp is a tmpfs;
 * ``RLIMIT_NOFILE`` per process so the sandbox holds at most `fd_share` of the host's file
   table (`fds.py`).
+* a network namespace the worker made (`netns.py`), entered before the uid drop: loopback
+  only while its network is off, else one link whose only exit is the worker's egress gate
+  (`egress.py`). Where the host cannot (not root, no nftables), bwrap's own empty namespace
+  and no network at all.
 
 Host preparation (tools, uid range, state directories, leftovers, cgroups, /etc, seccomp
 filter, disk and file-table probes) is in `bwrap_host.py`; this module starts and stops one
 sandbox.
 
-Process chain: worker -> sh (joins cgroups) -exec-> prlimit -exec-> setpriv -exec-> bwrap
+Process chain: worker -> sh (joins cgroups) -exec-> nsenter (joins the network namespace)
+-exec-> prlimit -exec-> setpriv -exec-> bwrap
 (outer, the `process` returned) -> bwrap's pid-1 reaper -> the agent (or a probe ``argv``).
 
 The chain starts in ``/`` with an empty environment: bwrap's pid 1 keeps the environment and
@@ -39,16 +43,19 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import stat
 from pathlib import Path
 from typing import Any
 
 from sandgate.agent import MODULES as AGENT_MODULES
 from sandgate.agent import deployed_name
+from sandgate.core.egress_policy import NO_NETWORK, NetworkPolicy, OperatorBounds
 from sandgate.errors import InvalidRequestError, NetworkUnavailableError, WorkerError
-from sandgate.worker import cgroups, disk, fds, rootfs, seccomp
+from sandgate.worker import cgroups, disk, fds, netns, rootfs, seccomp
 from sandgate.worker.cgroups import CgroupHost, SandboxCgroups
 from sandgate.worker.cleanup import remove_tree
+from sandgate.worker.egress import EgressConfig, EgressGate
 from sandgate.worker.layers import layer_name
 from sandgate.worker.runtime import bwrap_host
 from sandgate.worker.runtime.base import ImageSpec, RunningSandbox, SandboxSpec
@@ -173,7 +180,7 @@ class BwrapRuntime:
         worker_name: str,
         uid_base: int = 200000,
         uid_count: int = 10000,
-        allow_network: bool = False,
+        egress: EgressConfig | None = None,
         uid_lock_dir: Path | None = None,
         fd_share: float = fds.DEFAULT_FD_SHARE,
     ) -> None:
@@ -184,7 +191,11 @@ class BwrapRuntime:
         self.state_dir = Path(state_dir).absolute()
         self.agent_dir = Path(agent_dir).absolute()
         self.worker_name = worker_name
-        self.allow_network = allow_network
+        # None: sandboxes never get a network; else the gate is set up at prepare if it can
+        self.egress = egress
+        self.net: netns.NetHost | None = None
+        self.gate: EgressGate | None = None
+        self._network_problem = "the runtime is not prepared"
         self.uids = UidPool(uid_lock_dir or DEFAULT_UID_LOCK_DIR, uid_base, uid_count)
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.etc_dir = self.state_dir / "etc"
@@ -193,6 +204,7 @@ class BwrapRuntime:
         self._bwrap = "/usr/bin/bwrap"
         self._setpriv = "/usr/bin/setpriv"
         self._prlimit = "/usr/bin/prlimit"
+        self._nsenter = "/usr/bin/nsenter"
         self._cg_host: CgroupHost | None = None
         self._limits: dict[str, bool] = {c: False for c in cgroups.LIMIT_CONTROLLERS}
         self._cgroup_kill = False
@@ -220,7 +232,7 @@ class BwrapRuntime:
             "seccomp": True,
             "no_new_privs": True,
             "capabilities": "none",
-            "network": "host-optional" if self.allow_network else "none",
+            "network": "gate" if self.gate is not None else "none",
             "readonly_root": True,
             "pid_namespace": True,
             "ipc_namespace": True,
@@ -254,7 +266,9 @@ class BwrapRuntime:
         bwrap_host.warn_missing_limits(self._limits, self.worker_name)
 
         try:
-            self._etc_args = bwrap_host.write_etc(self.etc_dir, allow_network=self.allow_network)
+            await self._prepare_network()
+            resolver = self.net.resolver_address if self.net is not None else None
+            self._etc_args = bwrap_host.write_etc(self.etc_dir, resolver=resolver)
             seccomp.write_filter(self.seccomp_path)
         except OSError as exc:
             raise WorkerError(f"cannot write the sandbox /etc or seccomp filter: {exc}") from exc
@@ -273,6 +287,71 @@ class BwrapRuntime:
         self._prepared = True
         log.info("runtime.prepared worker=%s features=%s", self.worker_name, self.features())
 
+    async def _prepare_network(self) -> None:
+        """The egress gate and this worker's nftables table, where the host can have them."""
+        if self.egress is None:
+            self._network_problem = "the worker was started with --no-network"
+            return
+        problem = netns.available()
+        if problem is not None:
+            self._network_problem = problem
+            log.warning(
+                "runtime.network_unavailable worker=%s (%s): sandboxes get no network",
+                self.worker_name,
+                problem,
+            )
+            return
+        config = self.egress
+        self._nsenter = shutil.which("nsenter") or self._nsenter
+        net = netns.NetHost(self.worker_name, subnet=config.subnet)
+        gate = EgressGate(
+            bounds=OperatorBounds.of(config.deny, config.permit),
+            resolver=config.upstream(),
+            sandbox_subnet=net.subnet,
+        )
+        await gate.start()
+        try:
+            await net.prepare(gate_port=gate.gate_port, dns_port=gate.dns_port)
+        except BaseException:
+            await gate.close()
+            raise
+        self.net, self.gate = net, gate
+
+    @property
+    def switches_network(self) -> bool:
+        """Whether a running sandbox's network can be turned on and off (`set_network`)."""
+        return self.gate is not None
+
+    async def set_network(self, sandbox: RunningSandbox, policy: NetworkPolicy) -> None:
+        """Apply `policy` to a running sandbox: to its new connections and DNS queries at
+        once; a link added or taken away when it turns the network on or off."""
+        net: netns.SandboxNet | None = sandbox.private.get("net")
+        if self.net is None or self.gate is None or net is None:
+            if policy.enabled:
+                raise NetworkUnavailableError(self._network_unavailable())
+            return
+        name = sandbox.spec.name
+        self.gate.add(name, policy)
+        if policy.enabled and not net.connected:
+            await self.net.connect(net)
+            self.gate.link(name, net.sandbox_ip)
+        elif not policy.enabled and net.connected:
+            self.gate.link(name, "")
+            await self.net.disconnect(net)
+        sandbox.private["policy"] = policy
+
+    def network_state(self, sandbox: RunningSandbox) -> dict[str, Any]:
+        policy: NetworkPolicy = sandbox.private.get("policy", NO_NETWORK)
+        stats = self.gate.stats(sandbox.spec.name) if self.gate is not None else {}
+        return {"network": policy.to_json(), **stats}
+
+    def _network_unavailable(self) -> str:
+        return (
+            f"this worker gives sandboxes no network ({self._network_problem}); sandboxes get "
+            "a network through the worker's egress gate, which needs root, iproute2 and "
+            "nftables (apt-get install -y iproute2 nftables)"
+        )
+
     # ------------------------------------------------------------------ start
 
     async def start(self, spec: SandboxSpec, argv: list[str] | None = None) -> RunningSandbox:
@@ -280,13 +359,8 @@ class BwrapRuntime:
         if not self._prepared or self._cg_host is None:
             raise WorkerError("BwrapRuntime.prepare() must run before start()")
         check_spec(spec)
-        if spec.network and not self.allow_network:
-            raise NetworkUnavailableError(
-                "this worker does not give sandboxes network access; start the worker with "
-                "--allow-network to allow it (sandboxes asking for network then share the "
-                "HOST network namespace: they reach everything the host reaches, including "
-                "services on its 127.0.0.1)"
-            )
+        if spec.network.enabled and self.gate is None:
+            raise NetworkUnavailableError(self._network_unavailable())
         if spec.image is not None:
             check_image_user(spec.image)  # refused before anything is made
             missing = [
@@ -315,8 +389,15 @@ class BwrapRuntime:
         sandbox_dir = self.sandboxes_dir / spec.name
         dir_created = False
         cg: SandboxCgroups | None = None
+        net: netns.SandboxNet | None = None
         log_fd = seccomp_fd = args_fd = -1
         try:
+            if self.net is not None and self.gate is not None:
+                net = await self.net.create(spec.name)
+                self.gate.add(spec.name, spec.network)
+                if spec.network.enabled:
+                    await self.net.connect(net)
+                    self.gate.link(spec.name, net.sandbox_ip)
             lease = self.uids.lease()
             uid = lease.uid
             try:
@@ -380,7 +461,7 @@ class BwrapRuntime:
             seccomp_fd = seccomp.open_filter(self.seccomp_path)
             args = self._bwrap_args(spec, workspace, tmp, seccomp_fd, root, points, inner_uid)
             args_fd = _memfd_with(b"".join(a.encode() + b"\0" for a in args))
-            cmd = self._command(uid, args_fd, argv, nofile=self.nofile_for(spec))
+            cmd = self._command(uid, args_fd, argv, nofile=self.nofile_for(spec), net=net)
             process = await asyncio.create_subprocess_exec(
                 *cgroups.join_argv(cg.procs_files, cmd),
                 stdin=asyncio.subprocess.PIPE,
@@ -399,6 +480,7 @@ class BwrapRuntime:
                 await asyncio.to_thread(_remove_sandbox_dir, sandbox_dir)
             if lease is not None:
                 lease.release()
+            await self._remove_net(spec.name, net)
             if isinstance(exc, InvalidRequestError | WorkerError) or not isinstance(exc, Exception):
                 raise
             raise WorkerError(f"cannot start sandbox {spec.name!r}: {exc}") from exc
@@ -417,6 +499,8 @@ class BwrapRuntime:
                 "sandbox_dir": sandbox_dir,
                 "log_path": log_path,
                 "stopped": False,
+                "net": net,
+                "policy": spec.network,
             },
             cgroup_dirs=tuple(cg.dirs),
             disk=own_disk,
@@ -426,7 +510,7 @@ class BwrapRuntime:
 
     def _image_files(self) -> list[str]:
         """The files of the generated /etc a template sandbox gets (its name lookups)."""
-        names = ["hosts", "resolv.conf"] if self.allow_network else ["hosts"]
+        names = ["hosts", "resolv.conf"] if self.net is not None else ["hosts"]
         return [f"/etc/{name}" for name in names if (self.etc_dir / name).exists()]
 
     def _check_agent_dir(self) -> None:
@@ -451,12 +535,24 @@ class BwrapRuntime:
         file_max, nr_open = self._file_limits
         return fds.nofile_for(spec.pids, share=self.fd_share, file_max=file_max, nr_open=nr_open)
 
-    def _command(self, uid: int, args_fd: int, argv: list[str], *, nofile: int) -> list[str]:
+    def _command(
+        self,
+        uid: int,
+        args_fd: int,
+        argv: list[str],
+        *,
+        nofile: int,
+        net: netns.SandboxNet | None = None,
+    ) -> list[str]:
         """prlimit sets the descriptor limit (soft and hard: the sandbox cannot raise it),
         setpriv drops to the sandbox uid, then execs bwrap, which reads its options from
         `args_fd` (so neither host `ps` nor the sandbox's /proc/1/cmdline shows host paths or
-        the sandbox's environment; only `argv` is visible)."""
+        the sandbox's environment; only `argv` is visible). With `net`, nsenter first puts the
+        chain in the sandbox's network namespace (as root: the sandbox's own user namespace,
+        made by bwrap below, then holds no capability over it)."""
+        enter = [] if net is None else [self._nsenter, f"--net={net.path}", "--"]
         return [
+            *enter,
             self._prlimit,
             f"--nofile={nofile}:{nofile}",
             "--",
@@ -506,7 +602,7 @@ class BwrapRuntime:
             "--unshare-uts",
             "--unshare-cgroup-try",
         ]
-        if not spec.network:
+        if self.net is None:  # no namespace of the worker's: bwrap's own, loopback only
             cmd.append("--unshare-net")
         if root is None:
             cmd += self._root_args
@@ -555,7 +651,17 @@ class BwrapRuntime:
 
     # ------------------------------------------------------------------ stop
 
+    async def _remove_net(self, name: str, net: netns.SandboxNet | None) -> None:
+        if self.gate is not None:
+            self.gate.remove(name)
+        if net is not None and self.net is not None:
+            await self.net.remove(net)
+
     async def close(self) -> None:
+        if self.gate is not None:
+            await self.gate.close()
+        if self.net is not None:
+            await self.net.close()
         if self._cg_host is not None:
             cgroups.remove_worker_groups(self._cg_host, self.worker_name)
 
@@ -593,6 +699,12 @@ class BwrapRuntime:
                 await asyncio.to_thread(_remove_sandbox_dir, sandbox_dir)
             except (OSError, WorkerError) as exc:
                 problems.append(f"cannot remove {sandbox_dir}: {getattr(exc, 'message', exc)}")
+        if all_dead:
+            try:
+                await self._remove_net(sandbox.spec.name, private.get("net"))
+                private["net"] = None
+            except WorkerError as exc:
+                problems.append(exc.message)
         lease: UidLease | None = private.get("lease")
         if lease is not None and all_dead:
             # never hand the uid to a new sandbox while an old process might still run as it

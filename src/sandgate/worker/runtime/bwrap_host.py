@@ -170,8 +170,10 @@ def _write_file(path: Path, content: str, mode: int = 0o644) -> None:
     os.replace(tmp, path)
 
 
-def write_etc(etc_dir: Path, *, allow_network: bool) -> list[str]:
-    """Generate the sandbox's minimal /etc in `etc_dir`; the bwrap arguments that bind it."""
+def write_etc(etc_dir: Path, *, resolver: str | None) -> list[str]:
+    """Generate the sandbox's minimal /etc in `etc_dir`; the bwrap arguments that bind it.
+    `resolver`: the address a sandbox's resolv.conf names (the egress gate's DNS answers
+    there), None where sandboxes never have a network."""
     etc_dir.mkdir(mode=0o755, exist_ok=True)
     os.chmod(etc_dir, 0o755)
     files = {
@@ -187,15 +189,12 @@ def write_etc(etc_dir: Path, *, allow_network: bool) -> list[str]:
             "hosts: files dns\nnetworks: files\nprotocols: files\nservices: files\n"
         ),
     }
-    if allow_network:
-        try:
-            files["resolv.conf"] = Path("/etc/resolv.conf").read_text()
-        except OSError:
-            files["resolv.conf"] = ""
+    if resolver is not None:
+        files["resolv.conf"] = f"nameserver {resolver}\noptions timeout:2 attempts:2\n"
     for name, content in files.items():
         _write_file(etc_dir / name, content)
     stale = etc_dir / "resolv.conf"
-    if not allow_network and stale.exists():
+    if resolver is None and stale.exists():
         stale.unlink()
     args = ["--dir", "/etc"]
     for name in sorted(files):

@@ -1,0 +1,459 @@
+"""The egress gate: the only way out of a sandbox's network namespace (`netns.py`).
+
+Two listeners in the worker process, on ports nftables steers the sandboxes' traffic to:
+
+* **the proxy** takes every TCP connection a sandbox makes, to any address and port. It
+  reads where the sandbox meant to go (``SO_ORIGINAL_DST``), and, when the sandbox's policy
+  has domain rules, the name the connection is for (TLS SNI or HTTP ``Host``: `core/sniff.py`),
+  without answering anything. The tenant's policy judges name and address
+  (`core/egress_policy.decide`); a connection let through by a domain is dialed **by that
+  name**, resolved by the gate, never at the address the sandbox chose. Every address about
+  to be dialed must pass the operator's bounds (`OperatorBounds`: no loopback, private,
+  link-local or reserved ranges unless permitted) and must not be one of the host's own. The
+  bytes read so far are sent on, then both directions are copied until each side closes.
+* **the DNS** answers queries from sandboxes (UDP and TCP): names the policy cannot reach get
+  NXDOMAIN, AAAA gets no answer (sandboxes have IPv4 only), the rest are asked of the
+  upstream resolver. The answers are a convenience: the proxy decides, not the DNS.
+
+A sandbox is known by the address of its link; an unknown source is cut at once. Every
+refused connection and refused name is counted on the sandbox (`GatedSandbox`) and logged
+(at most `LOG_BURST` lines per `LOG_WINDOW` per sandbox, then a count of those not logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+import struct
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import dns.asyncquery
+import dns.asyncresolver
+import dns.exception
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import dns.resolver
+
+from sandgate.core import sniff
+from sandgate.core.egress_policy import (
+    DEFAULT_DENY,
+    NO_NETWORK,
+    NetworkPolicy,
+    OperatorBounds,
+    decide,
+    resolves,
+)
+
+log = logging.getLogger(__name__)
+
+SO_ORIGINAL_DST = 80  # <linux/netfilter_ipv4.h>
+PEEK_TIMEOUT = 3.0  # a connection that sends nothing this long is judged without a name
+CONNECT_TIMEOUT = 10.0
+DNS_TIMEOUT = 4.0
+COPY_CHUNK = 256 * 1024
+RECENT_REFUSALS = 20  # kept per sandbox for GET …/network
+LOG_WINDOW = 10.0
+LOG_BURST = 20
+RESOLVER_CACHE = 4096
+
+
+@dataclass(frozen=True)
+class EgressConfig:
+    """The operator's settings for a worker's gate (`sandgate worker --egress-*`)."""
+
+    deny: tuple[str, ...] = DEFAULT_DENY  # CIDRs no sandbox reaches...
+    permit: tuple[str, ...] = ()  # ...except these
+    resolver: str = ""  # host[:port] the gate asks; "" = the host's first nameserver
+    subnet: str = "10.211.0.0/16"  # the sandboxes' links (netns.py)
+
+    def upstream(self) -> str:
+        return self.resolver or system_resolver()
+
+
+@dataclass
+class Refusal:
+    at: float
+    target: str
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"at": self.at, "target": self.target, "reason": self.reason}
+
+
+@dataclass
+class GatedSandbox:
+    name: str
+    policy: NetworkPolicy
+    address: str = ""  # its link's address while connected
+    allowed: int = 0
+    refused: int = 0
+    dns_refused: int = 0
+    recent: deque[Refusal] = field(default_factory=lambda: deque(maxlen=RECENT_REFUSALS))
+    _window: float = 0.0
+    _logged: int = 0
+    _unlogged: int = 0
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "allowed": self.allowed,
+            "refused": self.refused,
+            "dns_refused": self.dns_refused,
+            "recent_refusals": [r.as_dict() for r in self.recent],
+        }
+
+    def note_refusal(self, target: str, reason: str, *, dns_query: bool = False) -> None:
+        now = time.time()
+        if dns_query:
+            self.dns_refused += 1
+        else:
+            self.refused += 1
+        self.recent.append(Refusal(now, target, reason))
+        if now - self._window >= LOG_WINDOW:
+            if self._unlogged:
+                log.warning(
+                    "egress.refusals_not_logged",
+                    extra={"sandbox": self.name, "count": self._unlogged},
+                )
+            self._window, self._logged, self._unlogged = now, 0, 0
+        if self._logged < LOG_BURST:
+            self._logged += 1
+            log.info(
+                "egress.refused",
+                extra={"sandbox": self.name, "target": target, "reason": reason, "dns": dns_query},
+            )
+        else:
+            self._unlogged += 1
+
+
+def _parse_host_port(value: str, default_port: int) -> tuple[str, int]:
+    host, _, port = value.rpartition(":") if value.count(":") == 1 else (value, "", "")
+    return (host or value), int(port) if port else default_port
+
+
+def system_resolver() -> str:
+    """The host's first nameserver (/etc/resolv.conf), the gate's default upstream."""
+    try:
+        for line in open("/etc/resolv.conf", encoding="utf-8"):
+            fields = line.split()
+            if len(fields) >= 2 and fields[0] == "nameserver":
+                return fields[1]
+    except OSError:
+        pass
+    return "127.0.0.1"
+
+
+def is_host_address(address: ipaddress.IPv4Address) -> bool:
+    """Whether `address` is one of this host's own (binding to it succeeds)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((str(address), 0))
+        except OSError:
+            return False
+    return True
+
+
+class EgressGate:
+    def __init__(
+        self,
+        *,
+        bounds: OperatorBounds,
+        resolver: str,
+        sandbox_subnet: ipaddress.IPv4Network,
+    ) -> None:
+        self.bounds = bounds
+        self.upstream = _parse_host_port(resolver, 53)
+        self.sandbox_subnet = sandbox_subnet
+        self._resolver = dns.asyncresolver.Resolver(configure=False)
+        self._resolver.nameservers = [self.upstream[0]]
+        self._resolver.port = self.upstream[1]
+        self._resolver.cache = dns.resolver.LRUCache(RESOLVER_CACHE)
+        # sandbox name -> what the gate knows of it; address -> name while it is linked
+        self.sandboxes: dict[str, GatedSandbox] = {}
+        self.by_address: dict[str, str] = {}
+        self._servers: list[asyncio.AbstractServer] = []
+        self._udp: asyncio.DatagramTransport | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.gate_port = 0
+        self.dns_port = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        proxy = await asyncio.start_server(self._proxy, "0.0.0.0", 0, backlog=1024)
+        self._servers.append(proxy)
+        self.gate_port = proxy.sockets[0].getsockname()[1]
+        # the DNS listens on one port number for UDP and TCP
+        for _ in range(20):
+            loop = asyncio.get_running_loop()
+            transport, _protocol = await loop.create_datagram_endpoint(
+                lambda: _DnsDatagrams(self), local_addr=("0.0.0.0", 0)
+            )
+            port = transport.get_extra_info("sockname")[1]
+            try:
+                tcp = await asyncio.start_server(self._dns_stream, "0.0.0.0", port)
+            except OSError:
+                transport.close()
+                continue
+            self._udp, self.dns_port = transport, port
+            self._servers.append(tcp)
+            break
+        else:
+            raise OSError("no port free for the gate's DNS on both UDP and TCP")
+        log.info(
+            "egress.started",
+            extra={
+                "proxy_port": self.gate_port,
+                "dns_port": self.dns_port,
+                "upstream": self.upstream,
+            },
+        )
+
+    async def close(self) -> None:
+        for server in self._servers:
+            server.close()
+        if self._udp is not None:
+            self._udp.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for server in self._servers:
+            with contextlib.suppress(Exception):
+                await server.wait_closed()
+        self._servers.clear()
+
+    # ------------------------------------------------------------------ sandboxes
+
+    def add(self, name: str, policy: NetworkPolicy) -> GatedSandbox:
+        entry = self.sandboxes.get(name)
+        if entry is None:
+            entry = self.sandboxes[name] = GatedSandbox(name, policy)
+        entry.policy = policy
+        return entry
+
+    def link(self, name: str, address: str) -> None:
+        entry = self.sandboxes[name]
+        if entry.address:
+            self.by_address.pop(entry.address, None)
+        entry.address = address
+        if address:
+            self.by_address[address] = name
+
+    def remove(self, name: str) -> None:
+        entry = self.sandboxes.pop(name, None)
+        if entry is not None and entry.address:
+            self.by_address.pop(entry.address, None)
+
+    def _entry_for(self, address: str) -> GatedSandbox | None:
+        name = self.by_address.get(address)
+        return None if name is None else self.sandboxes.get(name)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ the proxy
+
+    async def _proxy(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        upstream: asyncio.StreamWriter | None = None
+        try:
+            peer = writer.get_extra_info("peername")
+            entry = self._entry_for(peer[0]) if peer else None
+            if entry is None:
+                return
+            sock = writer.get_extra_info("socket")
+            raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+            port = struct.unpack_from("!H", raw, 2)[0]
+            address = ipaddress.IPv4Address(raw[4:8])
+            target = f"{address}:{port}"
+            policy = entry.policy
+            first, name = b"", None
+            if policy.enabled and policy.uses_names:
+                first, name = await _peek(reader)
+                if name is not None:
+                    target = f"{name}:{port} ({address})"
+            verdict = decide(policy, name=name, address=address)
+            if not verdict.allowed:
+                entry.note_refusal(target, verdict.reason)
+                return
+            if verdict.dial_name is not None:
+                try:
+                    candidates = await self._resolve(verdict.dial_name)
+                except (dns.exception.DNSException, OSError) as exc:
+                    entry.note_refusal(target, f"{verdict.dial_name} does not resolve: {exc}")
+                    return
+            else:
+                candidates = [address]
+            dialable = [a for a in candidates if self._reachable(a)]
+            if not dialable:
+                entry.note_refusal(target, "the operator does not let sandboxes reach that address")
+                return
+            dialed = await self._dial(dialable, port)
+            if dialed is None:
+                return  # nothing answered: the sandbox sees its connection closed
+            upstream_reader, upstream = dialed
+            entry.allowed += 1
+            if first:
+                upstream.write(first)
+            await _splice(reader, writer, upstream_reader, upstream)
+        except (OSError, asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            for w in (writer, upstream):
+                if w is not None:
+                    w.close()
+            if task is not None:
+                self._tasks.discard(task)
+
+    def _reachable(self, address: ipaddress.IPv4Address) -> bool:
+        if address in self.sandbox_subnet or address.is_loopback or address.is_unspecified:
+            return False  # never another sandbox or the host, whatever the operator permits
+        return self.bounds.permits(address) and not is_host_address(address)
+
+    async def _resolve(self, name: str) -> list[ipaddress.IPv4Address]:
+        answer = await self._resolver.resolve(name, "A", lifetime=DNS_TIMEOUT)
+        return [ipaddress.IPv4Address(r.address) for r in answer]
+
+    async def _dial(
+        self, addresses: list[ipaddress.IPv4Address], port: int
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        for address in addresses:
+            try:
+                return await asyncio.wait_for(
+                    asyncio.open_connection(str(address), port, limit=COPY_CHUNK),
+                    CONNECT_TIMEOUT,
+                )
+            except (OSError, TimeoutError):
+                continue
+        return None
+
+    # ------------------------------------------------------------------ the DNS
+
+    async def answer(self, query_wire: bytes, source: str, *, max_size: int) -> bytes | None:
+        """The reply to one query from `source` (None: not a sandbox of ours, or garbage)."""
+        entry = self._entry_for(source)
+        if entry is None:
+            return None
+        try:
+            query = dns.message.from_wire(query_wire)
+        except dns.exception.DNSException:
+            return None
+        if len(query.question) != 1:
+            reply = dns.message.make_response(query)
+            reply.set_rcode(dns.rcode.FORMERR)
+            return reply.to_wire()
+        question = query.question[0]
+        name = question.name.to_text(omit_final_dot=True)
+        if not resolves(entry.policy, name):
+            entry.note_refusal(
+                name, "the sandbox's policy does not reach this name", dns_query=True
+            )
+            reply = dns.message.make_response(query)
+            reply.set_rcode(dns.rcode.NXDOMAIN)
+            return reply.to_wire()
+        if question.rdtype == dns.rdatatype.AAAA:
+            return dns.message.make_response(query).to_wire()  # IPv4 only: no data
+        try:
+            reply, _ = await dns.asyncquery.udp_with_fallback(
+                query, self.upstream[0], timeout=DNS_TIMEOUT, port=self.upstream[1]
+            )
+        except (dns.exception.DNSException, OSError):
+            reply = dns.message.make_response(query)
+            reply.set_rcode(dns.rcode.SERVFAIL)
+        try:
+            return reply.to_wire(max_size=max_size)
+        except dns.exception.TooBig:
+            cut = dns.message.make_response(query)
+            cut.flags |= dns.flags.TC
+            return cut.to_wire()
+
+    async def _dns_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            peer = writer.get_extra_info("peername")
+            while True:
+                size = int.from_bytes(await reader.readexactly(2), "big")
+                query = await reader.readexactly(size)
+                reply = await self.answer(query, peer[0], max_size=65535)
+                if reply is None:
+                    return
+                writer.write(len(reply).to_bytes(2, "big") + reply)
+                await writer.drain()
+        except (OSError, asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def stats(self, name: str) -> dict[str, Any]:
+        entry = self.sandboxes.get(name)
+        return GatedSandbox(name, NO_NETWORK).stats() if entry is None else entry.stats()
+
+
+class _DnsDatagrams(asyncio.DatagramProtocol):
+    def __init__(self, gate: EgressGate) -> None:
+        self.gate = gate
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
+        self.gate._spawn(self._reply(data, addr))
+
+    async def _reply(self, data: bytes, addr: tuple[str | Any, int]) -> None:
+        reply = await self.gate.answer(data, str(addr[0]), max_size=1232)
+        if reply is not None and self.transport is not None:
+            self.transport.sendto(reply, addr)
+
+
+async def _peek(reader: asyncio.StreamReader) -> tuple[bytes, str | None]:
+    """The first bytes of a connection and the name they carry (None: none, or silence)."""
+    data = b""
+    deadline = asyncio.get_running_loop().time() + PEEK_TIMEOUT
+    while len(data) < sniff.MAX_PEEK:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return data, None
+        try:
+            more = await asyncio.wait_for(reader.read(sniff.MAX_PEEK - len(data)), left)
+        except TimeoutError:
+            return data, None
+        if not more:
+            return data, None
+        data += more
+        name = sniff.server_name(data)
+        if name != sniff.NEED_MORE:
+            return data, name
+    return data, None
+
+
+async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            chunk = await reader.read(COPY_CHUNK)
+            if not chunk:
+                break
+            writer.write(chunk)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+    except (OSError, ConnectionError):
+        writer.close()
+
+
+async def _splice(
+    a_reader: asyncio.StreamReader,
+    a_writer: asyncio.StreamWriter,
+    b_reader: asyncio.StreamReader,
+    b_writer: asyncio.StreamWriter,
+) -> None:
+    await asyncio.gather(_copy(a_reader, b_writer), _copy(b_reader, a_writer))

@@ -1,0 +1,266 @@
+"""Each sandbox's network namespace, and its one link to this worker's egress gate.
+
+Every bwrap sandbox of a worker that can (root, iproute2, nftables) runs in a network
+namespace the worker made, ``/run/netns/sandgate-<scope>-<sandbox>``. It holds only ``lo``
+while the sandbox's network is off. Turned on (at create or by ``PUT …/network``), the
+namespace gets one veth pair, a /30 of `subnet`: the sandbox's end ``eth0`` with a default
+route to the host's end. On the host, this worker's nftables table
+(``inet sandgate_<scope>``) takes over everything that arrives from its interfaces:
+
+* UDP and TCP to port 53 (any address) go to the gate's DNS (`egress.py`);
+* every other TCP connection (any address, any port) goes to the gate's proxy port;
+* whatever else arrives (UDP, ICMP, IPv6, a packet with another source address) is dropped,
+  and nothing from or to these interfaces is ever forwarded.
+
+So a sandbox has no route to the host's loopback services, to another sandbox or to any
+network: its packets end on the host's side of its own link, where only the gate listens.
+The host's ``ip_forward`` is not touched, and no NAT is set up. The sandbox's user namespace
+holds no capability over the namespace (the worker, root in the host's user namespace, owns
+it), so it cannot change its address, routes or link.
+
+A host-side interface is named ``sg`` + 6 hex of the worker's scope + its slot in hex, so one
+worker's rules match only its own links (``iifname "sgXXXXXX*"``).
+Slots (the /30 a link gets) are leased host-wide with lock files, as uids are (`uids.py`):
+several workers on one host never hand out the same addresses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import ipaddress
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandgate.errors import WorkerError
+from sandgate.worker.uids import UidLease, UidPool
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SUBNET = "10.211.0.0/16"  # 16,384 /30 links (egress.EgressConfig.subnet)
+DEFAULT_SLOT_LOCK_DIR = Path("/run/sandgate/netslots")
+NETNS_DIR = Path("/run/netns")
+SANDBOX_IF = "eth0"
+IP_TIMEOUT = 10.0
+SLOT_BASE = 1000  # UidPool numbers from here
+
+
+@dataclass
+class SandboxNet:
+    """One sandbox's namespace, and its link while its network is on."""
+
+    netns: str  # the name under /run/netns
+    slot: UidLease | None = None  # held while the link exists
+    ifname: str = ""
+    host_ip: str = ""
+    sandbox_ip: str = ""
+    connected: bool = False
+
+    @property
+    def path(self) -> Path:
+        return NETNS_DIR / self.netns
+
+
+def interface_prefix(scope: str) -> str:
+    return "sg" + hashlib.sha256(scope.encode()).hexdigest()[:6]
+
+
+def table_name(scope: str) -> str:
+    return "sandgate_" + scope.replace("-", "_")
+
+
+def ruleset(table: str, prefix: str, *, gate_port: int, dns_port: int) -> str:
+    """This worker's nftables table (see the module docstring); replaces any older one."""
+    ours = f'iifname "{prefix}*"'
+    return f"""
+table inet {table}
+delete table inet {table}
+table inet {table} {{
+  chain guard {{
+    type filter hook prerouting priority raw; policy accept;
+    {ours} fib saddr . iif oif missing drop
+    {ours} meta nfproto ipv6 drop
+  }}
+  chain steer {{
+    type nat hook prerouting priority dstnat; policy accept;
+    {ours} udp dport 53 redirect to :{dns_port}
+    {ours} tcp dport 53 redirect to :{dns_port}
+    {ours} meta l4proto tcp redirect to :{gate_port}
+  }}
+  chain arrive {{
+    type filter hook input priority filter; policy accept;
+    {ours} tcp dport {{ {gate_port}, {dns_port} }} accept
+    {ours} udp dport {dns_port} accept
+    {ours} counter drop
+    iifname != "lo" tcp dport {{ {gate_port}, {dns_port} }} drop
+    iifname != "lo" udp dport {dns_port} drop
+  }}
+  chain through {{
+    type filter hook forward priority filter; policy accept;
+    {ours} drop
+    oifname "{prefix}*" drop
+  }}
+}}
+"""
+
+
+def available() -> str | None:
+    """Why this host cannot give sandboxes a gated network, or None if it can."""
+    import os
+
+    if os.geteuid() != 0:
+        return "the worker does not run as root"
+    missing = [tool for tool in ("ip", "nft", "nsenter") if shutil.which(tool) is None]
+    if missing:
+        return f"{', '.join(missing)} not found (apt-get install -y iproute2 nftables util-linux)"
+    return None
+
+
+async def _run(*argv: str, stdin: str | None = None, check: bool = True) -> str:
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+    )
+    try:
+        out, err = await asyncio.wait_for(
+            process.communicate(None if stdin is None else stdin.encode()), IP_TIMEOUT
+        )
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise WorkerError(f"{argv[0]} {' '.join(argv[1:3])} did not finish") from None
+    if check and process.returncode != 0:
+        text = err.decode(errors="replace").strip() or out.decode(errors="replace").strip()
+        raise WorkerError(f"{' '.join(argv[:3])} failed: {text}")
+    return out.decode(errors="replace")
+
+
+class NetHost:
+    """This worker's namespaces, links and nftables table."""
+
+    def __init__(
+        self,
+        scope: str,
+        *,
+        subnet: str = DEFAULT_SUBNET,
+        slot_lock_dir: Path = DEFAULT_SLOT_LOCK_DIR,
+    ) -> None:
+        self.scope = scope
+        self.subnet = ipaddress.IPv4Network(subnet)
+        if self.subnet.prefixlen > 29:
+            raise ValueError(f"sandbox subnet {subnet} is too small: give a /29 or larger")
+        self.prefix = interface_prefix(scope)
+        self.table = table_name(scope)
+        # a slot is leased as a "uid" of the lock-file pool uids.py keeps, offset by SLOT_BASE
+        self.slots = UidPool(slot_lock_dir, SLOT_BASE, min(self.subnet.num_addresses // 4, 0xFFFF))
+        self._ip = shutil.which("ip") or "/usr/sbin/ip"
+        self._nft = shutil.which("nft") or "/usr/sbin/nft"
+
+    @property
+    def resolver_address(self) -> str:
+        """What a sandbox's resolv.conf names: any address works (all port 53 goes to the
+        gate's DNS), this one is the subnet's first host."""
+        return str(self.subnet.network_address + 1)
+
+    def netns_name(self, sandbox: str) -> str:
+        return f"sandgate-{self.scope}-{sandbox}"
+
+    async def prepare(self, *, gate_port: int, dns_port: int) -> None:
+        self.slots.ensure_dir()
+        await self.remove_leftovers()
+        rules = ruleset(self.table, self.prefix, gate_port=gate_port, dns_port=dns_port)
+        await _run(self._nft, "-f", "-", stdin=rules)
+
+    async def remove_leftovers(self) -> None:
+        """Namespaces and links a crashed worker of this scope left behind."""
+        mine = f"sandgate-{self.scope}-"
+        listed = await _run(self._ip, "netns", "list", check=False)
+        for line in listed.splitlines():
+            name = line.split(" ", 1)[0]
+            if name.startswith(mine):
+                log.warning("netns.leftover_removed", extra={"netns": name})
+                await _run(self._ip, "netns", "del", name, check=False)
+        for name in await self._links():
+            await _run(self._ip, "link", "del", name, check=False)
+
+    async def _links(self) -> list[str]:
+        out = await _run(self._ip, "-o", "link", "show", check=False)
+        names = []
+        for line in out.splitlines():
+            parts = line.split(":", 2)
+            if len(parts) > 1:
+                name = parts[1].strip().split("@", 1)[0]
+                if name.startswith(self.prefix):
+                    names.append(name)
+        return names
+
+    async def close(self) -> None:
+        await _run(self._nft, "delete", "table", "inet", self.table, check=False)
+
+    async def create(self, sandbox: str) -> SandboxNet:
+        """The sandbox's namespace, with loopback only."""
+        net = SandboxNet(netns=self.netns_name(sandbox))
+        if net.path.exists():
+            await _run(self._ip, "netns", "del", net.netns, check=False)
+        await _run(self._ip, "netns", "add", net.netns)
+        try:
+            await _run(self._ip, "-n", net.netns, "link", "set", "lo", "up")
+        except BaseException:
+            await _run(self._ip, "netns", "del", net.netns, check=False)
+            raise
+        return net
+
+    async def connect(self, net: SandboxNet) -> None:
+        """Give the namespace its link to the gate (idempotent)."""
+        if net.connected:
+            return
+        lease = self.slots.lease()
+        slot = lease.uid - SLOT_BASE
+        base = self.subnet.network_address + 4 * slot
+        net.slot, net.ifname = lease, f"{self.prefix}{slot:x}"
+        net.host_ip, net.sandbox_ip = str(base + 1), str(base + 2)
+        try:
+            await _run(self._ip, "link", "del", net.ifname, check=False)  # a stale one
+            host = (
+                f"link add {net.ifname} type veth peer name {SANDBOX_IF} netns {net.netns}\n"
+                f"addr add {net.host_ip}/30 dev {net.ifname}\n"
+            )
+            await _run(self._ip, "-b", "-", stdin=host)
+            _disable_ipv6(net.ifname)
+            await _run(self._ip, "link", "set", net.ifname, "up")
+            inside = (
+                f"addr add {net.sandbox_ip}/30 dev {SANDBOX_IF}\n"
+                f"link set {SANDBOX_IF} up\n"
+                f"route add default via {net.host_ip}\n"
+            )
+            await _run(self._ip, "-n", net.netns, "-b", "-", stdin=inside)
+        except BaseException:
+            await self.disconnect(net)
+            raise
+        net.connected = True
+
+    async def disconnect(self, net: SandboxNet) -> None:
+        """Take the link away: the namespace keeps loopback only."""
+        if net.ifname:
+            await _run(self._ip, "link", "del", net.ifname, check=False)
+        if net.slot is not None:
+            net.slot.release()
+        net.slot, net.ifname, net.host_ip, net.sandbox_ip = None, "", "", ""
+        net.connected = False
+
+    async def remove(self, net: SandboxNet) -> None:
+        await self.disconnect(net)
+        with contextlib.suppress(WorkerError):
+            await _run(self._ip, "netns", "del", net.netns, check=False)
+
+
+def _disable_ipv6(ifname: str) -> None:
+    knob = Path("/proc/sys/net/ipv6/conf") / ifname / "disable_ipv6"
+    with contextlib.suppress(OSError):
+        knob.write_text("1")
