@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/code_interpreter_image.py [--n 100] [--creates 10]
 
-Starts a real `sandgate server` (SQLite) and a bwrap worker with `--allow-network --pool
-code-interpreter=3`, measures E2B's code interpreter SDK on the built-in `code-interpreter`
+Starts a real `sandgate server` (SQLite) and a bwrap worker with `--pool code-interpreter=3`
+(its egress gate permitted to reach the Debian mirror's address), measures E2B's code interpreter SDK on the built-in `code-interpreter`
 (the host's root: the baseline), then builds the shipped image with `scripts/build-templates`
 (Debian bookworm minbase + ipykernel, numpy, pandas, matplotlib: it needs the Debian mirror)
 and measures the same on it: create-to-first-`run_code` from the pool and cold, warm
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import socket
 import subprocess
 import sys
 import time
@@ -38,7 +39,8 @@ def main() -> None:
     parser.add_argument("--creates", type=int, default=10, help="create samples")
     args = parser.parse_args()
 
-    with stack.running("--allow-network", "--pool=code-interpreter=3") as running:
+    mirror = socket.gethostbyname("deb.debian.org")
+    with stack.running("--egress-permit", f"{mirror}/32", "--pool=code-interpreter=3") as running:
         url, key = running.url, running.key
         time.sleep(5)  # the pool fills
         host = base.code_interpreter(url, key, args.n, args.creates)

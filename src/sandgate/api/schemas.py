@@ -49,12 +49,39 @@ def _check_env(value: dict[str, str]) -> dict[str, str]:
     return _check_str_map(value, "env", max_items=256)
 
 
+class NetworkRules(_In):
+    """Where a sandbox may connect: domains (``pypi.org``, ``*.github.com``, ``*``), IPv4
+    addresses and CIDRs. An ``allow_out`` match lets a connection through; else a
+    ``deny_out`` match refuses it; else it passes only when ``allow_out`` is empty."""
+
+    allow_out: list[str] = Field(default_factory=list, max_length=256)
+    deny_out: list[str] = Field(default_factory=list, max_length=256)
+
+
+NetworkField = bool | NetworkRules
+
+
+class SetNetwork(_In):
+    network: NetworkField = Field(
+        description='false: loopback only; true: the public internet; or {"allow_out": '
+        '[...], "deny_out": [...]}'
+    )
+
+
+class NetworkOut(BaseModel):
+    network: bool | NetworkRules
+    allowed: int = 0  # connections the gate let through
+    refused: int = 0  # connections it refused
+    dns_refused: int = 0  # names its DNS answered NXDOMAIN
+    recent_refusals: list[dict[str, Any]] = Field(default_factory=list)  # {at, target, reason}
+
+
 class CreateSandbox(_In):
     template: str = Field(default="default", min_length=1, max_length=128)
     timeout: float | None = Field(default=None, gt=0, description="seconds until it is reaped")
     metadata: dict[str, str] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)
-    network: bool = False
+    network: NetworkField = False
     resources: Resources = Field(default_factory=Resources)
     # false: a cold start even where a worker has a warm pool of the template (benchmarks)
     pool: bool = True
@@ -105,6 +132,7 @@ class SandboxOut(BaseModel):
     metadata: dict[str, str]
     worker: str | None
     network: bool
+    network_policy: NetworkRules | None = None  # its rules, when it has some
     resources: dict[str, Any]
     timeout: float
     created_at: datetime

@@ -61,6 +61,8 @@ class CreateRequest:
     resources: dict[str, Any]
     body: dict[str, Any]  # the request as the client sent it (after defaults): fingerprinted
     pool: bool = True  # a worker may hand out a sandbox of its warm pool (worker/pool.py)
+    # the network's rules (core/egress_policy), None: `network` alone (on or off)
+    network_policy: dict[str, list[str]] | None = None
     image: dict[str, Any] | None = None  # a template's image (control/templates.py); None: built-in
 
 
@@ -262,6 +264,7 @@ class CreatePipeline:
             metadata=metadata,
             env=request.env,
             network=request.network,
+            network_policy=request.network_policy,
             resources=request.resources,
             created_at=now,
             updated_at=now,
@@ -271,7 +274,7 @@ class CreatePipeline:
             "name": name,
             "spec": {
                 "env": request.env,
-                "network": request.network,
+                "network": request.network_policy or request.network,
                 **request.resources,
                 "template": request.template,
                 "pool": request.pool,

@@ -10,7 +10,9 @@ from datetime import timedelta
 
 from sandgate.control.state import ServerLocalState
 from sandgate.control.workers import WorkerRegistry
+from sandgate.agent.frames import Header
 from sandgate.core.clock import utcnow
+from sandgate.core.egress_policy import NetworkPolicy
 from sandgate.errors import (
     ConflictError,
     NotFoundError,
@@ -27,6 +29,7 @@ from sandgate.store.base import (
 log = logging.getLogger(__name__)
 
 DESTROY_WAIT = 10.0  # then the worker's next heartbeat reconciles what it still runs
+NETWORK_WAIT = 20.0  # a worker adds or removes a sandbox's link within this
 
 
 class SandboxService:
@@ -71,6 +74,33 @@ class SandboxService:
         if not await self.store.set_expiry(sandbox.name, expires_at, now):
             raise ConflictError(f"sandbox {name} is no longer running", code="not_running")
         return replace(sandbox, expires_at=expires_at, updated_at=now)
+
+    async def set_network(self, tenant: TenantId, name: str, policy: NetworkPolicy) -> Header:
+        """Give the tenant's running sandbox another network policy: recorded first (a retry
+        of the same PUT is harmless), then applied by its worker to new connections and DNS
+        queries; connections already open stay."""
+        sandbox = await self.running(tenant, name)
+        rules = policy.to_json()
+        now = utcnow()
+        self.state.forget_running(tenant, name)
+        stored = await self.store.set_network(
+            sandbox.name, policy.enabled, rules if isinstance(rules, dict) else None, now
+        )
+        if not stored:
+            raise ConflictError(f"sandbox {name} is no longer running", code="not_running")
+        fields = {"name": sandbox.name, "network": rules}
+        state, _ = await self.workers.request(
+            sandbox.worker, "set_network", fields, wait=NETWORK_WAIT
+        )
+        return state
+
+    async def network(self, tenant: TenantId, name: str) -> Header:
+        """The running sandbox's policy and its gate's counters, from its worker."""
+        sandbox = await self.running(tenant, name)
+        state, _ = await self.workers.request(
+            sandbox.worker, "network", {"name": sandbox.name}, wait=NETWORK_WAIT
+        )
+        return state
 
     async def delete(self, tenant: TenantId, name: str) -> None:
         sandbox = await self.get(tenant, name)

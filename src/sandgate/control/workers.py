@@ -32,6 +32,10 @@ from sandgate.store.base import SandboxName, Store, Worker, WorkerName
 from sandgate.tunnel.hub import TunnelSession
 from sandgate.tunnel.rpc import LinkClosedError, NoAnswerError
 
+# what a worker reports in features["network"] when it can give sandboxes one: "gate" (the
+# bwrap runtime's egress gate, worker/egress.py) or "host" (the unisolated process runtime)
+NETWORKED = ("gate", "host")
+
 log = logging.getLogger(__name__)
 
 PROBE_LEAD = 3.0  # a request still unanswered this long before its end pings the link...
@@ -349,7 +353,7 @@ class WorkerRegistry:
             if image and not worker.features.get("images"):
                 imageless += 1
                 continue
-            if network and worker.features.get("network") not in ("host-optional", "host"):
+            if network and worker.features.get("network") not in NETWORKED:
                 continue
             most = placement.sandbox_max_of(worker.features.get("enforces"))
             if (name := placement.too_large(need, most)) is not None:
@@ -381,9 +385,9 @@ class WorkerRegistry:
                 )
             if network and connected and not offered:
                 raise NetworkUnavailableError(
-                    "no connected worker offers network access; start a worker with "
-                    "--allow-network (it gives sandboxes the host network) or create with "
-                    '"network": false'
+                    "no connected worker offers sandboxes a network (a worker gives one "
+                    "through its egress gate when it runs as root with iproute2 and nftables "
+                    'installed, and without --no-network); or create with "network": false'
                 )
             if not connected:
                 raise NoCapacityError("no worker is connected", retry_after=5.0)

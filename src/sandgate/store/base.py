@@ -85,6 +85,9 @@ class Sandbox:
     started_at: datetime | None = None
     expires_at: datetime | None = None
     error: str | None = None
+    # with `network`, its rules ({"allow_out": [...], "deny_out": [...]}: egress_policy);
+    # None: none, `network` alone says on (the public internet) or off
+    network_policy: dict[str, list[str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -250,6 +253,14 @@ class Store(Protocol):
         now: datetime,
     ) -> bool: ...
     async def set_expiry(self, name: SandboxName, expires_at: datetime, now: datetime) -> bool: ...
+    # only while running: the policy a PUT …/network gives it (False from any other state)
+    async def set_network(
+        self,
+        name: SandboxName,
+        network: bool,
+        policy: dict[str, list[str]] | None,
+        now: datetime,
+    ) -> bool: ...
     async def assign_worker(self, name: SandboxName, worker: WorkerName, now: datetime) -> None: ...
 
     # jobs

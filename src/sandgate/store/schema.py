@@ -122,6 +122,8 @@ sandboxes = Table(
     Column("updated_at", UTCDateTime, nullable=False),
     Column("started_at", UTCDateTime, nullable=True),
     Column("expires_at", UTCDateTime, nullable=True),
+    # the rules of a network that has some ({allow_out, deny_out}); null: `network` says all
+    Column("network_policy", JSON, nullable=True),
     PrimaryKeyConstraint("name", name="pk_sandboxes"),
     Index("ix_sandboxes_tenant_id_name", "tenant_id", "name"),
     Index("ix_sandboxes_state_expires_at", "state", "expires_at"),

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.integration.api.conftest import Deployment
+from tests.integration.api.conftest import Deployment, start_deployment, tear_down
 
 
 def error_code(response: httpx.Response) -> str:
@@ -141,11 +142,19 @@ def test_bad_execute_bodies(alpha: httpx.Client, sandbox: str) -> None:
     assert outside_cwd.status_code == 403
 
 
-def test_network_without_a_network_worker_is_refused(alpha: httpx.Client) -> None:
-    response = alpha.post("/api/v1/sandboxes", json={"network": True})
-    assert response.status_code == 422
-    assert error_code(response) == "network_unavailable"
-    assert "--allow-network" in response.json()["error"]["message"]
+def test_network_without_a_network_worker_is_refused(tmp_path: Path) -> None:
+    dep = start_deployment(tmp_path, worker=False)
+    try:
+        dep.start_worker(args=("--no-network",))
+        with dep.client("alpha") as alpha:
+            response = alpha.post("/api/v1/sandboxes", json={"network": True})
+            assert response.status_code == 422
+            assert error_code(response) == "network_unavailable"
+            assert "--no-network" in response.json()["error"]["message"]
+            made = alpha.post("/api/v1/sandboxes", json={"network": False})
+            assert made.status_code == 201
+    finally:
+        tear_down(dep)
 
 
 def test_openapi(deployment: Deployment) -> None:

@@ -43,7 +43,10 @@ def shipped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
         pytest.skip(f"the Debian mirror {MIRROR[0]} is not reachable from this machine")
     dep = start_deployment(tmp_path_factory.mktemp("shipped"), worker=False)
     try:
-        dep.start_worker(args=("--allow-network",))
+        # the build's apt-get reaches the mirror through the egress gate; this machine's
+        # mirror may sit in a reserved range the gate refuses by default
+        mirror_ip = socket.gethostbyname(MIRROR[0])
+        dep.start_worker(args=("--egress-permit", f"{mirror_ip}/32"))
         built = subprocess.run(
             [str(ROOT / "scripts" / "build-templates"), dep.url, dep.admin_key],
             capture_output=True,

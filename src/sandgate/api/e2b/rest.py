@@ -27,6 +27,7 @@ from sandgate.api.routes.sandboxes import create_request
 from sandgate.api.schemas import CreateSandbox
 from sandgate.core import e2b_auth
 from sandgate.core.clock import utcnow
+from sandgate.core.egress_policy import parse_policy
 from sandgate.errors import ConflictError, InvalidRequestError, NotFoundError, NotSupportedError
 from sandgate.store.base import Sandbox, SandboxFilter, SandboxName, SandboxState, TenantId
 
@@ -56,6 +57,7 @@ class NewSandbox(BaseModel):
     metadata: dict[str, str] | None = None
     envVars: dict[str, str] | None = None
     allow_internet_access: bool | None = None
+    network: dict[str, Any] | None = None  # allowOut, denyOut (the rest: see e2b_network)
     secure: bool | None = None  # sandgate always issues an envd access token
     autoPause: bool | None = None
 
@@ -67,12 +69,67 @@ UNSUPPORTED_KEYS = MappingProxyType(
         "autoPauseMemory": "pausing sandboxes",
         "autoResume": "pausing sandboxes",
         "lifecycle": "pausing sandboxes",
-        "network": "per-sandbox egress rules (use allow_internet_access)",
         "mcp": "MCP gateways",
         "volumeMounts": "volumes",
         "iam": "IAM roles",
     }
 )
+
+
+# the keys of E2B's network config sandgate has no counterpart for, when they ask for something
+NETWORK_UNSUPPORTED = MappingProxyType(
+    {
+        "egressProxy": "an egress SOCKS proxy",
+        "maskRequestHost": "masking the Host of requests",
+        "rules": "per-domain request transforms",
+    }
+)
+
+
+def e2b_network(allow_internet: bool | None, network: dict[str, Any] | None) -> Any:
+    """E2B's `allowInternetAccess` and `network` {allowOut, denyOut} as a sandgate policy
+    (core/egress_policy). E2B's order is sandgate's: allowOut wins over denyOut. E2B's
+    allowOut with no denyOut restricts nothing (everything is allowed anyway): the internet.
+    allowOut as exceptions to a denyOut narrower than 0.0.0.0/0 are not kept (stricter than
+    E2B: only denyOut applies). `dnsServers` needs nothing: the gate's DNS answers any
+    address. `allowPublicTraffic` and `httpsPorts` are about ports coming in, not out."""
+    config = network or {}
+    for key, what in NETWORK_UNSUPPORTED.items():
+        if config.get(key) not in (None, False, {}, [], ""):
+            raise NotSupportedError(f"network.{key}: sandgate does not support {what} yet")
+    allow = list(config.get("allowOut") or [])
+    deny = list(config.get("denyOut") or [])
+    if allow_internet is False:
+        deny.append("0.0.0.0/0")
+    everything = any(str(d).strip() in ("0.0.0.0/0", "0.0.0.0") for d in deny)
+    if everything:
+        return {"allow_out": allow} if allow else False
+    if deny:
+        return {"deny_out": deny}
+    return True
+
+
+def e2b_network_out(sandbox: Sandbox) -> dict[str, Any]:
+    """A sandbox's policy the way E2B's detail reports it."""
+    rules = sandbox.network_policy or {}
+    out: dict[str, Any] = {}
+    if rules.get("allow_out"):
+        out["allowOut"] = list(rules["allow_out"])
+        out["denyOut"] = ["0.0.0.0/0", *rules.get("deny_out", [])]
+    elif rules.get("deny_out"):
+        out["denyOut"] = list(rules["deny_out"])
+    elif not sandbox.network:
+        out["denyOut"] = ["0.0.0.0/0"]
+    return out
+
+
+class NetworkUpdate(BaseModel):
+    """`PUT /sandboxes/{id}/network`: the whole egress config, replaced at once."""
+
+    model_config = ConfigDict(extra="allow")
+    allowOut: list[str] | None = None
+    denyOut: list[str] | None = None
+    allowInternetAccess: bool | None = None
 
 
 class TimeoutBody(BaseModel):
@@ -120,7 +177,7 @@ async def create(
             timeout=float(body.timeout) if body.timeout else None,
             metadata=body.metadata or {},
             env=body.envVars or {},
-            network=bool(body.allow_internet_access),
+            network=e2b_network(body.allow_internet_access, body.network),
         )
     except ValidationError as exc:
         problem = exc.errors()[0]
@@ -240,8 +297,19 @@ async def get_sandbox(sandbox_id: str, who: Tenant, svc: Svc) -> dict[str, Any]:
     return _listed(sandbox) | {
         "envdAccessToken": e2b_auth.envd_token(svc.settings.secret, sandbox.name),
         "allowInternetAccess": sandbox.network,
+        "network": e2b_network_out(sandbox),
         "domain": svc.settings.e2b_domain,
     }
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204)
+async def update_network(sandbox_id: str, body: NetworkUpdate, who: Tenant, svc: Svc) -> Response:
+    extra = body.model_extra or {}
+    policy = parse_policy(
+        e2b_network(body.allowInternetAccess, body.model_dump(exclude_none=True) | extra)
+    )
+    await svc.sandboxes.set_network(who, sandbox_id, policy)
+    return Response(status_code=204)
 
 
 # -- change ---------------------------------------------------------------------------------
@@ -310,7 +378,6 @@ NOT_YET = MappingProxyType(
         "resume": "pausing a sandbox (pause/resume); kill it and create a new one instead",
         "fork": "forking a sandbox",
         "snapshots": "snapshots",
-        "network": "changing a running sandbox's network (create it with allow_internet_access)",
         "refreshes": "refreshes (use set_timeout)",
         "logs": "sandbox logs",
     }

@@ -1,4 +1,4 @@
-"""`/api/v1/sandboxes`: create, list, get, delete, extend, execute."""
+"""`/api/v1/sandboxes`: create, list, get, delete, extend, network, execute."""
 
 from __future__ import annotations
 
@@ -14,13 +14,17 @@ from sandgate.api.schemas import (
     Execute,
     ExecuteOut,
     ExtendTimeout,
+    NetworkOut,
+    NetworkRules,
     SandboxList,
     SandboxOut,
+    SetNetwork,
 )
 from sandgate.config import ServerSettings
 from sandgate.control.create import CreateRequest
 from sandgate.control.templates import Resolved
 from sandgate.core import caps
+from sandgate.core.egress_policy import parse_policy
 from sandgate.errors import InvalidRequestError
 from sandgate.store.base import Sandbox, SandboxFilter, SandboxName, TenantId
 
@@ -48,6 +52,11 @@ def sandbox_out(sandbox: Sandbox) -> dict[str, Any]:
         metadata=sandbox.metadata,
         worker=sandbox.worker,
         network=sandbox.network,
+        network_policy=(
+            None
+            if sandbox.network_policy is None
+            else NetworkRules.model_validate(sandbox.network_policy)
+        ),
         resources=sandbox.resources,
         timeout=sandbox.timeout,
         created_at=sandbox.created_at,
@@ -66,12 +75,16 @@ def create_request(
     if timeout > settings.max_timeout:
         raise InvalidRequestError(f"timeout is at most {settings.max_timeout:g} seconds")
     resources = caps.resolve(body.resources.model_dump(), settings.caps)
+    network = body.network if isinstance(body.network, bool) else body.network.model_dump()
+    policy = parse_policy(network)
+    rules = policy.to_json()
     return CreateRequest(
         template=template.name,
         timeout=timeout,
         metadata=body.metadata,
         env=body.env,
-        network=body.network,
+        network=policy.enabled,
+        network_policy=rules if isinstance(rules, dict) else None,
         resources=resources,
         # fingerprinted with what it gets: a retry naming the defaults is the same request
         body=body.model_dump(mode="json") | {"timeout": timeout, "resources": resources},
@@ -148,6 +161,25 @@ async def extend_timeout(name: str, body: ExtendTimeout, who: Tenant, svc: Svc) 
     if body.timeout > svc.settings.max_timeout:
         raise InvalidRequestError(f"timeout is at most {svc.settings.max_timeout:g} seconds")
     return sandbox_out(await svc.sandboxes.extend(who, name, body.timeout))
+
+
+def network_out(state: dict[str, Any]) -> dict[str, Any]:
+    return NetworkOut.model_validate(state).model_dump(mode="json")
+
+
+@router.get("/sandboxes/{name}/network", response_model=NetworkOut, responses=error_docs())
+async def get_network(name: str, who: Tenant, svc: Svc) -> dict[str, Any]:
+    """The running sandbox's network policy, and what its worker's egress gate let through
+    and refused (with the last refusals: target and reason)."""
+    return network_out(await svc.sandboxes.network(who, name))
+
+
+@router.put("/sandboxes/{name}/network", response_model=NetworkOut, responses=error_docs())
+async def set_network(name: str, body: SetNetwork, who: Tenant, svc: Svc) -> dict[str, Any]:
+    """Change the running sandbox's network: new connections and DNS queries follow the new
+    policy at once (open connections stay); false takes its interface away."""
+    network = body.network if isinstance(body.network, bool) else body.network.model_dump()
+    return network_out(await svc.sandboxes.set_network(who, name, parse_policy(network)))
 
 
 async def _execute(name: str, body: Execute, who: TenantId, svc: Services) -> dict[str, Any]:

@@ -56,6 +56,7 @@ def sandbox(row: Row[Any]) -> Sandbox:
         metadata=row.metadata,
         env=row.env,
         network=row.network,
+        network_policy=row.network_policy,
         resources=row.resources,
         created_at=row.created_at,
         updated_at=row.updated_at,

@@ -129,6 +129,15 @@ _SET_EXPIRY = (
     .where(sandboxes.c.name == bindparam("b_name"), sandboxes.c.state == "running")
     .values(expires_at=bindparam("b_expires_at"), updated_at=bindparam("b_now"))
 )
+_SET_NETWORK = (
+    update(sandboxes)
+    .where(sandboxes.c.name == bindparam("b_name"), sandboxes.c.state == "running")
+    .values(
+        network=bindparam("b_network"),
+        network_policy=bindparam("b_policy"),
+        updated_at=bindparam("b_now"),
+    )
+)
 _ASSIGN_WORKER = (
     update(sandboxes)
     .where(sandboxes.c.name == bindparam("b_name"), sandboxes.c.state == "pending")
@@ -223,6 +232,7 @@ class Sandboxes:
                     "metadata": sandbox.metadata,
                     "env": sandbox.env,
                     "network": sandbox.network,
+                    "network_policy": sandbox.network_policy,
                     "resources": sandbox.resources,
                     "worker": sandbox.worker,
                     "error": sandbox.error,
@@ -389,6 +399,20 @@ class Sandboxes:
         """Only while running: a TTL means nothing for a sandbox that is not."""
         moved = await self._db.write(
             _SET_EXPIRY, {"b_name": name, "b_expires_at": expires_at, "b_now": now}
+        )
+        return moved == 1
+
+    @store_op
+    async def set_network(
+        self,
+        name: SandboxName,
+        network: bool,
+        policy: dict[str, list[str]] | None,
+        now: datetime,
+    ) -> bool:
+        moved = await self._db.write(
+            _SET_NETWORK,
+            {"b_name": name, "b_network": network, "b_policy": policy, "b_now": now},
         )
         return moved == 1
 

@@ -54,6 +54,7 @@ class SqlStore:
         self.mark_running = sandboxes.mark_running
         self.set_sandbox_state = sandboxes.set_sandbox_state
         self.set_expiry = sandboxes.set_expiry
+        self.set_network = sandboxes.set_network
         self.assign_worker = sandboxes.assign_worker
 
         jobs = Jobs(db)
