@@ -191,7 +191,7 @@ def test_workers_report_enforced_features(alpha: httpx.Client) -> None:
     assert features["runtime"] == "bwrap"
     assert features["seccomp"] is True
     assert features["user_namespace"] is True
-    assert features["network"] in ("none", "host-optional")
+    assert features["network"] == "gate"  # the egress gate: root with nftables here
 
 
 def test_tenant_code_cannot_reach_the_agent(alpha: httpx.Client, sandbox: str) -> None:
