@@ -13,18 +13,23 @@ script three ways in the same run:
 
 It measures the throughput of one `--mb` MB HTTP download, and the time from `connect()` to
 the first byte of a small HTTP response (`--n` fresh connections; median and p90), which is
-what the gate adds to each connection. Medians of one run on a shared machine: compare the
-ratios, not the absolute figures.
+what the gate adds to each connection. And what a sandbox's network namespace costs a cold
+create (create-to-running, `--creates` each, `pool: false`): a worker started with
+`--no-network` (bwrap's own empty namespace: the baseline) against a gated worker, for
+`network: false` (a namespace of the worker's, loopback only) and `network: true` (plus its
+link). Medians of one run on a shared machine: compare the ratios, not the absolute figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import httpx
@@ -34,7 +39,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import stack  # noqa: E402  (bench/stack.py)
-
 from tests.nethosts import internet_hosts  # noqa: E402
 
 CLIENT = r"""
@@ -94,10 +98,26 @@ def in_sandbox(client: httpx.Client, network: object, argv: list[str]) -> dict[s
         client.delete(f"/api/v1/sandboxes/{name}")
 
 
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def cold_create(client: httpx.Client, network: object) -> float:
+    """ms from the create request to its answer (running), then the sandbox is deleted."""
+    began = time.perf_counter()
+    made = client.post("/api/v1/sandboxes", json={"network": network, "pool": False}, timeout=60)
+    made.raise_for_status()
+    took = (time.perf_counter() - began) * 1000
+    client.delete(f"/api/v1/sandboxes/{made.json()['name']}")
+    time.sleep(0.6)  # the worker's teardown and spare namespaces are made in between
+    return took
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mb", type=int, default=100, help="MB of the download")
     parser.add_argument("--n", type=int, default=200, help="connections timed")
+    parser.add_argument("--creates", type=int, default=15, help="cold creates of each kind")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, internet_hosts(Path(tmp)) as net:
         ip = net.addresses["allowed.test"]
@@ -109,13 +129,24 @@ def main() -> None:
         )
         results = {"direct": json.loads(direct_run.stdout)}
         worker_args = ("--egress-permit", net.subnet, "--egress-resolver", net.resolver)
-        with stack.running(*worker_args) as running:
-            headers = {"Authorization": f"Bearer {running.key}"}
-            with httpx.Client(base_url=running.url, headers=headers) as client:
+        with stack.running(*worker_args) as gated, stack.running("--no-network") as plain:
+            with (
+                httpx.Client(base_url=gated.url, headers=auth(gated.key)) as client,
+                httpx.Client(base_url=plain.url, headers=auth(plain.key)) as baseline,
+            ):
                 results["gate, open"] = in_sandbox(client, True, argv)
                 results["gate, allowlist"] = in_sandbox(
                     client, {"allow_out": ["allowed.test"]}, argv
                 )
+                kinds = {
+                    "--no-network worker (baseline)": (baseline, False),
+                    "gated worker, network: false": (client, False),
+                    "gated worker, network: true": (client, True),
+                }
+                creates: dict[str, list[float]] = {kind: [] for kind in kinds}
+                for _ in range(args.creates):  # interleaved: the machine's drift hits all alike
+                    for kind, (where, network) in kinds.items():
+                        creates[kind].append(cold_create(where, network))
     base = results["direct"]
     print(f"{args.mb} MB download, {args.n} connections timed to the first byte")
     print(f"{'path':<18}{'MB/s':>10}{'× direct':>10}{'1st byte ms':>13}{'p90':>8}{'+ms':>8}")
@@ -126,6 +157,13 @@ def main() -> None:
             f"{r['first_byte_ms_median']:>13.2f}{r['first_byte_ms_p90']:>8.2f}"
             f"{r['first_byte_ms_median'] - base['first_byte_ms_median']:>8.2f}"
         )
+    reference = statistics.median(creates["--no-network worker (baseline)"])
+    print(f"\ncold create-to-running, n={args.creates} each")
+    print(f"{'worker and sandbox':<34}{'p50 ms':>9}{'max ms':>9}{'× baseline':>12}")
+    for kind in sorted(creates, key=lambda k: not k.startswith("--")):
+        took = creates[kind]
+        p50 = statistics.median(took)
+        print(f"{kind:<34}{p50:>9.1f}{max(took):>9.1f}{p50 / reference:>12.2f}")
 
 
 if __name__ == "__main__":

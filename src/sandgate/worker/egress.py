@@ -51,6 +51,7 @@ from sandgate.core.egress_policy import (
     decide,
     resolves,
 )
+from sandgate.worker import splice
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,6 @@ SO_ORIGINAL_DST = 80  # <linux/netfilter_ipv4.h>
 PEEK_TIMEOUT = 3.0  # a connection that sends nothing this long is judged without a name
 CONNECT_TIMEOUT = 10.0
 DNS_TIMEOUT = 4.0
-COPY_CHUNK = 256 * 1024
 RECENT_REFUSALS = 20  # kept per sandbox for GET …/network
 LOG_WINDOW = 10.0
 LOG_BURST = 20
@@ -178,7 +178,9 @@ class EgressGate:
         # sandbox name -> what the gate knows of it; address -> name while it is linked
         self.sandboxes: dict[str, GatedSandbox] = {}
         self.by_address: dict[str, str] = {}
-        self._servers: list[asyncio.AbstractServer] = []
+        self._servers: list[asyncio.AbstractServer] = []  # the DNS over TCP
+        self._listener: socket.socket | None = None  # the proxy's, accepted by _accepting
+        self._accepting: asyncio.Task[None] | None = None
         self._udp: asyncio.DatagramTransport | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.gate_port = 0
@@ -187,9 +189,14 @@ class EgressGate:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        proxy = await asyncio.start_server(self._proxy, "0.0.0.0", 0, backlog=1024)
-        self._servers.append(proxy)
-        self.gate_port = proxy.sockets[0].getsockname()[1]
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("0.0.0.0", 0))
+        listener.listen(1024)
+        listener.setblocking(False)
+        self._listener = listener
+        self.gate_port = listener.getsockname()[1]
+        self._accepting = asyncio.ensure_future(self._accept(listener))
         # the DNS listens on one port number for UDP and TCP
         for _ in range(20):
             loop = asyncio.get_running_loop()
@@ -217,6 +224,12 @@ class EgressGate:
         )
 
     async def close(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._accepting
+        if self._listener is not None:
+            self._listener.close()
         for server in self._servers:
             server.close()
         if self._udp is not None:
@@ -261,25 +274,32 @@ class EgressGate:
 
     # ------------------------------------------------------------------ the proxy
 
-    async def _proxy(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-        upstream: asyncio.StreamWriter | None = None
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, peer = await loop.sock_accept(listener)
+            except OSError as exc:  # out of descriptors, say: the sandboxes' connections wait
+                log.warning("egress.accept_failed", extra={"error": str(exc)})
+                await asyncio.sleep(0.1)
+                continue
+            conn.setblocking(False)
+            self._spawn(self._proxy(conn, peer[0]))
+
+    async def _proxy(self, conn: socket.socket, peer: str) -> None:
+        upstream: socket.socket | None = None
         try:
-            peer = writer.get_extra_info("peername")
-            entry = self._entry_for(peer[0]) if peer else None
+            entry = self._entry_for(peer)
             if entry is None:
                 return
-            sock = writer.get_extra_info("socket")
-            raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+            raw = conn.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
             port = struct.unpack_from("!H", raw, 2)[0]
             address = ipaddress.IPv4Address(raw[4:8])
             target = f"{address}:{port}"
             policy = entry.policy
             first, name = b"", None
             if policy.enabled and policy.uses_names:
-                first, name = await _peek(reader)
+                first, name = await _peek(conn)
                 if name is not None:
                     target = f"{name}:{port} ({address})"
             verdict = decide(policy, name=name, address=address)
@@ -298,22 +318,19 @@ class EgressGate:
             if not dialable:
                 entry.note_refusal(target, "the operator does not let sandboxes reach that address")
                 return
-            dialed = await self._dial(dialable, port)
-            if dialed is None:
+            upstream = await _dial(dialable, port)
+            if upstream is None:
                 return  # nothing answered: the sandbox sees its connection closed
-            upstream_reader, upstream = dialed
             entry.allowed += 1
             if first:
-                upstream.write(first)
-            await _splice(reader, writer, upstream_reader, upstream)
-        except (OSError, asyncio.IncompleteReadError, ConnectionError):
+                await asyncio.get_running_loop().sock_sendall(upstream, first)
+            await splice.relay(conn, upstream)
+        except OSError:
             pass
         finally:
-            for w in (writer, upstream):
-                if w is not None:
-                    w.close()
-            if task is not None:
-                self._tasks.discard(task)
+            conn.close()
+            if upstream is not None:
+                upstream.close()
 
     def _reachable(self, address: ipaddress.IPv4Address) -> bool:
         if address in self.sandbox_subnet or address.is_loopback or address.is_unspecified:
@@ -323,19 +340,6 @@ class EgressGate:
     async def _resolve(self, name: str) -> list[ipaddress.IPv4Address]:
         answer = await self._resolver.resolve(name, "A", lifetime=DNS_TIMEOUT)
         return [ipaddress.IPv4Address(r.address) for r in answer]
-
-    async def _dial(
-        self, addresses: list[ipaddress.IPv4Address], port: int
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
-        for address in addresses:
-            try:
-                return await asyncio.wait_for(
-                    asyncio.open_connection(str(address), port, limit=COPY_CHUNK),
-                    CONNECT_TIMEOUT,
-                )
-            except (OSError, TimeoutError):
-                continue
-        return None
 
     # ------------------------------------------------------------------ the DNS
 
@@ -415,16 +419,17 @@ class _DnsDatagrams(asyncio.DatagramProtocol):
             self.transport.sendto(reply, addr)
 
 
-async def _peek(reader: asyncio.StreamReader) -> tuple[bytes, str | None]:
+async def _peek(conn: socket.socket) -> tuple[bytes, str | None]:
     """The first bytes of a connection and the name they carry (None: none, or silence)."""
+    loop = asyncio.get_running_loop()
     data = b""
-    deadline = asyncio.get_running_loop().time() + PEEK_TIMEOUT
+    deadline = loop.time() + PEEK_TIMEOUT
     while len(data) < sniff.MAX_PEEK:
-        left = deadline - asyncio.get_running_loop().time()
+        left = deadline - loop.time()
         if left <= 0:
             return data, None
         try:
-            more = await asyncio.wait_for(reader.read(sniff.MAX_PEEK - len(data)), left)
+            more = await asyncio.wait_for(loop.sock_recv(conn, sniff.MAX_PEEK - len(data)), left)
         except TimeoutError:
             return data, None
         if not more:
@@ -436,24 +441,16 @@ async def _peek(reader: asyncio.StreamReader) -> tuple[bytes, str | None]:
     return data, None
 
 
-async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while True:
-            chunk = await reader.read(COPY_CHUNK)
-            if not chunk:
-                break
-            writer.write(chunk)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-    except (OSError, ConnectionError):
-        writer.close()
-
-
-async def _splice(
-    a_reader: asyncio.StreamReader,
-    a_writer: asyncio.StreamWriter,
-    b_reader: asyncio.StreamReader,
-    b_writer: asyncio.StreamWriter,
-) -> None:
-    await asyncio.gather(_copy(a_reader, b_writer), _copy(b_reader, a_writer))
+async def _dial(addresses: list[ipaddress.IPv4Address], port: int) -> socket.socket | None:
+    """A connection to the first of `addresses` that answers, or None."""
+    loop = asyncio.get_running_loop()
+    for address in addresses:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, (str(address), port)), CONNECT_TIMEOUT)
+        except (OSError, TimeoutError):
+            sock.close()
+            continue
+        return sock
+    return None

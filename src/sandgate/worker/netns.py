@@ -22,6 +22,9 @@ A host-side interface is named ``sg`` + 6 hex of the worker's scope + its slot i
 worker's rules match only its own links (``iifname "sgXXXXXX*"``).
 Slots (the /30 a link gets) are leased host-wide with lock files, as uids are (`uids.py`):
 several workers on one host never hand out the same addresses.
+
+Making a namespace (~6 ms) and its link (~10 ms) takes a few `ip` processes, so the worker
+keeps `SPARES` of each kind ready (`take`), made in the background; a start takes one.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import contextlib
 import hashlib
 import ipaddress
 import logging
+import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +50,9 @@ NETNS_DIR = Path("/run/netns")
 SANDBOX_IF = "eth0"
 IP_TIMEOUT = 10.0
 SLOT_BASE = 1000  # UidPool numbers from here
+SPARES = 2  # namespaces of each kind (with a link, without) kept ready
+SPARE_RETRY = 5.0  # after a spare could not be made
+SPARE_DELAY = 0.5  # a spare is made this long after one was taken: not during that start
 
 
 @dataclass
@@ -161,6 +168,10 @@ class NetHost:
         self.slots = UidPool(slot_lock_dir, SLOT_BASE, min(self.subnet.num_addresses // 4, 0xFFFF))
         self._ip = shutil.which("ip") or "/usr/sbin/ip"
         self._nft = shutil.which("nft") or "/usr/sbin/nft"
+        # connected or not -> namespaces made ahead for the next starts; their filler
+        self.spares: dict[bool, list[SandboxNet]] = {False: [], True: []}
+        self._wanted: asyncio.Event | None = None
+        self._filler: asyncio.Task[None] | None = None
 
     @property
     def resolver_address(self) -> str:
@@ -168,8 +179,8 @@ class NetHost:
         gate's DNS), this one is the subnet's first host."""
         return str(self.subnet.network_address + 1)
 
-    def netns_name(self, sandbox: str) -> str:
-        return f"sandgate-{self.scope}-{sandbox}"
+    def netns_name(self) -> str:
+        return f"sandgate-{self.scope}-{secrets.token_hex(5)}"
 
     async def prepare(self, *, gate_port: int, dns_port: int) -> None:
         self.slots.ensure_dir()
@@ -201,13 +212,54 @@ class NetHost:
         return names
 
     async def close(self) -> None:
+        if self._filler is not None:
+            self._filler.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._filler
+            self._filler = None
+        for kind in self.spares.values():
+            while kind:
+                await self.remove(kind.pop())
         await _run(self._nft, "delete", "table", "inet", self.table, check=False)
 
-    async def create(self, sandbox: str) -> SandboxNet:
-        """The sandbox's namespace, with loopback only."""
-        net = SandboxNet(netns=self.netns_name(sandbox))
-        if net.path.exists():
-            await _run(self._ip, "netns", "del", net.netns, check=False)
+    async def take(self, *, connected: bool) -> SandboxNet:
+        """A namespace for a starting sandbox: a spare if one is ready, else made now."""
+        ready = self.spares[connected]
+        net = ready.pop() if ready else await self._make(connected)
+        if self._filler is None or self._filler.done():
+            self._wanted = asyncio.Event()
+            self._filler = asyncio.ensure_future(self._fill())
+        assert self._wanted is not None
+        self._wanted.set()
+        return net
+
+    async def _make(self, connected: bool) -> SandboxNet:
+        net = await self.create()
+        if connected:
+            try:
+                await self.connect(net)
+            except BaseException:
+                await self.remove(net)
+                raise
+        return net
+
+    async def _fill(self) -> None:
+        assert self._wanted is not None
+        while True:
+            self._wanted.clear()
+            await asyncio.sleep(SPARE_DELAY)
+            for connected, ready in self.spares.items():
+                while len(ready) < SPARES:
+                    try:
+                        ready.append(await self._make(connected))
+                    except WorkerError as exc:
+                        log.warning("netns.spare_failed", extra={"error": exc.message})
+                        await asyncio.sleep(SPARE_RETRY)
+            await self._wanted.wait()
+
+    async def create(self) -> SandboxNet:
+        """A namespace with loopback only."""
+        net = SandboxNet(netns=self.netns_name())
         await _run(self._ip, "netns", "add", net.netns)
         try:
             await _run(self._ip, "-n", net.netns, "link", "set", "lo", "up")

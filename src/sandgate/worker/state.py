@@ -143,8 +143,17 @@ WORKER_OBJECT_STATE: Mapping[str, StateRow] = MappingProxyType(
             "one per sandbox whose network is on",
             "per-process by nature: the links are this host's",
         ),
+        "NetHost.spares": StateRow(
+            "network namespaces made ahead for the next sandbox starts, with a link and without",
+            "2 of each kind (`netns.SPARES`)",
+            "per-process by nature: this host's namespaces; what a crashed worker left is "
+            "removed at its next start",
+        ),
+        "NetHost._wanted": StateRow(
+            "wakes the spare filler when a start took one", "one event", "per-process by nature"
+        ),
         "EgressGate._servers": StateRow(
-            "the gate's proxy and DNS listeners", "three", "per-process by nature"
+            "the gate's DNS listener over TCP", "one", "per-process by nature"
         ),
         "EgressGate._tasks": StateRow(
             "connections and DNS queries being served",

@@ -393,10 +393,9 @@ class BwrapRuntime:
         log_fd = seccomp_fd = args_fd = -1
         try:
             if self.net is not None and self.gate is not None:
-                net = await self.net.create(spec.name)
+                net = await self.net.take(connected=spec.network.enabled)
                 self.gate.add(spec.name, spec.network)
-                if spec.network.enabled:
-                    await self.net.connect(net)
+                if net.connected:
                     self.gate.link(spec.name, net.sandbox_ip)
             lease = self.uids.lease()
             uid = lease.uid
