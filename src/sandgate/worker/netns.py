@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import ipaddress
 import logging
+import re
 import secrets
 import shutil
 from dataclasses import dataclass
@@ -190,11 +191,11 @@ class NetHost:
 
     async def remove_leftovers(self) -> None:
         """Namespaces and links a crashed worker of this scope left behind."""
-        mine = f"sandgate-{self.scope}-"
+        mine = re.compile(f"^sandgate-{re.escape(self.scope)}-[0-9a-f]{{10}}$")
         listed = await _run(self._ip, "netns", "list", check=False)
         for line in listed.splitlines():
             name = line.split(" ", 1)[0]
-            if name.startswith(mine):
+            if mine.match(name):
                 log.warning("netns.leftover_removed", extra={"netns": name})
                 await _run(self._ip, "netns", "del", name, check=False)
         for name in await self._links():

@@ -355,3 +355,37 @@ def test_pip_install_from_an_index_allowed_by_name(
     code, output = loop.run(install(), timeout=120)
     assert code == 0, output
     assert "sgprobe.py" in output
+
+
+def test_a_crashed_workers_namespaces_and_links_are_removed_at_its_next_start(
+    env: Env, loop: Loop, internet: Internet
+) -> None:
+    config = EgressConfig(permit=(internet.subnet,), resolver=internet.resolver)
+    worker = f"t-crash-{uniq('w')}"
+    env.workers.append(worker)
+    first = env.runtime(worker, egress=config)
+    loop.run(first.prepare())
+    assert first.net is not None and first.gate is not None
+    spec = SandboxSpec(name=uniq("c"), network=parse_policy(True))
+    sandbox = loop.run(first.start(spec, argv=["/bin/sleep", "60"]))
+    net = sandbox.private["net"]
+    assert net.path.exists()
+    # the worker dies: its gate and spare-maker stop, nothing is torn down
+    loop.run(first.gate.close())
+    filler = first.net._filler
+    assert filler is not None
+    loop.loop.call_soon_threadsafe(filler.cancel)
+    sandbox.process.kill()
+    loop.run(sandbox.process.wait())
+    second = env.runtime(worker, egress=config)
+    loop.run(second.prepare())
+    try:
+        assert not net.path.exists()
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert net.ifname not in links
+        assert second.net is not None
+        mine = [n for n in os.listdir("/run/netns") if n.startswith(f"sandgate-{worker}")]
+        assert len(mine) <= 2 * 2, mine  # only the new worker's own spares
+    finally:
+        loop.run(second.close())
+        loop.run(first.stop(sandbox))
