@@ -71,6 +71,7 @@ class SetNetwork(_In):
 class NetworkOut(BaseModel):
     network: bool | NetworkRules
     allowed: int = 0  # connections the gate let through
+    open: int = 0  # of them, open now
     refused: int = 0  # connections it refused
     dns_refused: int = 0  # names its DNS answered NXDOMAIN
     recent_refusals: list[dict[str, Any]] = Field(default_factory=list)  # {at, target, reason}

@@ -63,6 +63,8 @@ RECENT_REFUSALS = 20  # kept per sandbox for GET …/network
 LOG_WINDOW = 10.0
 LOG_BURST = 20
 RESOLVER_CACHE = 4096
+MAX_CONNECTIONS = 512  # open connections one sandbox may have through the gate (default)
+MAX_DNS_IN_FLIGHT = 64  # queries of one sandbox being answered; more are dropped
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class EgressConfig:
     permit: tuple[str, ...] = ()  # ...except these
     resolver: str = ""  # host[:port] the gate asks; "" = the host's first nameserver
     subnet: str = "10.211.0.0/16"  # the sandboxes' links (netns.py)
+    max_connections: int = MAX_CONNECTIONS  # open at once per sandbox; more are refused
 
     def upstream(self) -> str:
         return self.resolver or system_resolver()
@@ -94,6 +97,8 @@ class GatedSandbox:
     policy: NetworkPolicy
     address: str = ""  # its link's address while connected
     allowed: int = 0
+    open: int = 0  # connections through the gate now, with their upstreams
+    dns_in_flight: int = 0
     refused: int = 0
     dns_refused: int = 0
     recent: deque[Refusal] = field(default_factory=lambda: deque(maxlen=RECENT_REFUSALS))
@@ -104,6 +109,7 @@ class GatedSandbox:
     def stats(self) -> dict[str, Any]:
         return {
             "allowed": self.allowed,
+            "open": self.open,
             "refused": self.refused,
             "dns_refused": self.dns_refused,
             "recent_refusals": [r.as_dict() for r in self.recent],
@@ -167,10 +173,12 @@ class EgressGate:
         bounds: OperatorBounds,
         resolver: str,
         sandbox_subnet: ipaddress.IPv4Network,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.bounds = bounds
         self.upstream = _parse_host_port(resolver, 53)
         self.sandbox_subnet = sandbox_subnet
+        self.max_connections = max_connections
         self._resolver = dns.asyncresolver.Resolver(configure=False)
         self._resolver.nameservers = [self.upstream[0]]
         self._resolver.port = self.upstream[1]
@@ -292,6 +300,25 @@ class EgressGate:
             entry = self._entry_for(peer)
             if entry is None:
                 return
+            if entry.open >= self.max_connections:
+                entry.note_refusal(peer, f"more than {self.max_connections} connections open")
+                return
+            entry.open += 1
+            try:
+                upstream = await self._serve(entry, conn)
+            finally:
+                entry.open -= 1
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            if upstream is not None:
+                upstream.close()
+
+    async def _serve(self, entry: GatedSandbox, conn: socket.socket) -> socket.socket | None:
+        """Judge one connection and relay it; returns the upstream it dialed (to close)."""
+        upstream: socket.socket | None = None
+        try:
             raw = conn.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
             port = struct.unpack_from("!H", raw, 2)[0]
             address = ipaddress.IPv4Address(raw[4:8])
@@ -305,32 +332,31 @@ class EgressGate:
             verdict = decide(policy, name=name, address=address)
             if not verdict.allowed:
                 entry.note_refusal(target, verdict.reason)
-                return
+                return None
             if verdict.dial_name is not None:
                 try:
                     candidates = await self._resolve(verdict.dial_name)
                 except (dns.exception.DNSException, OSError) as exc:
                     entry.note_refusal(target, f"{verdict.dial_name} does not resolve: {exc}")
-                    return
+                    return None
             else:
                 candidates = [address]
             dialable = [a for a in candidates if self._reachable(a)]
             if not dialable:
                 entry.note_refusal(target, "the operator does not let sandboxes reach that address")
-                return
+                return None
             upstream = await _dial(dialable, port)
             if upstream is None:
-                return  # nothing answered: the sandbox sees its connection closed
+                return None  # nothing answered: the sandbox sees its connection closed
             entry.allowed += 1
             if first:
                 await asyncio.get_running_loop().sock_sendall(upstream, first)
             await splice.relay(conn, upstream)
-        except OSError:
-            pass
-        finally:
-            conn.close()
+        except BaseException:
             if upstream is not None:
                 upstream.close()
+            raise
+        return upstream
 
     def _reachable(self, address: ipaddress.IPv4Address) -> bool:
         if address in self.sandbox_subnet or address.is_loopback or address.is_unspecified:
@@ -346,8 +372,17 @@ class EgressGate:
     async def answer(self, query_wire: bytes, source: str, *, max_size: int) -> bytes | None:
         """The reply to one query from `source` (None: not a sandbox of ours, or garbage)."""
         entry = self._entry_for(source)
-        if entry is None:
+        if entry is None or entry.dns_in_flight >= MAX_DNS_IN_FLIGHT:
             return None
+        entry.dns_in_flight += 1
+        try:
+            return await self._answer(entry, query_wire, max_size=max_size)
+        finally:
+            entry.dns_in_flight -= 1
+
+    async def _answer(
+        self, entry: GatedSandbox, query_wire: bytes, *, max_size: int
+    ) -> bytes | None:
         try:
             query = dns.message.from_wire(query_wire)
         except dns.exception.DNSException:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import fcntl
 import hashlib
 import logging
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -172,6 +174,16 @@ PARENT_PID_ENV = "SANDGATE_PARENT_PID"  # set by `sandgate up`: stop when that p
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
+def raise_file_limit() -> None:
+    """Lift the worker's own RLIMIT_NOFILE to its hard limit: its egress gate holds six
+    descriptors per sandbox connection (two sockets, two pipes), so the usual soft 1024
+    would cut the sandboxes off long before their own limits do."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def die_with_parent() -> None:
     """Under `sandgate up` (`$SANDGATE_PARENT_PID`): get SIGTERM when it dies, even by SIGKILL.
 
@@ -191,6 +203,7 @@ def die_with_parent() -> None:
 async def run_worker(settings: WorkerSettings) -> None:
     die_with_parent()
     seal_inherited_descriptors()
+    raise_file_limit()
     state_dir = settings.state_dir / settings.name
     state_dir.mkdir(parents=True, exist_ok=True)
     for directory in (settings.state_dir, state_dir):

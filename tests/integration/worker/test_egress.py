@@ -13,6 +13,7 @@ import socket
 import subprocess
 import textwrap
 import threading
+import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -113,13 +114,27 @@ def v6(host, port):
     except OSError as e:
         return err(e)
 
+def hold(host, port, n):
+    held, out = [], []
+    for _ in range(n):
+        s = socket.create_connection((host, port), timeout=6)
+        held.append(s)
+        try:
+            out.append(s.recv(100).decode().strip() or "cut")
+        except ConnectionResetError:
+            out.append("cut")
+    for s in held:
+        s.close()
+    return out
+
 def devs():
     return sorted(l.split(":")[0].strip() for l in open("/proc/net/dev").readlines()[2:])
 
 def raw(host, port, data=""):
     return talk(host, port, data.encode())
 
-OPS = {"get": get, "talk": raw, "resolve": resolve, "raw_dns": raw_dns, "v6": v6, "devs": devs}
+OPS = {"get": get, "talk": raw, "resolve": resolve, "raw_dns": raw_dns, "v6": v6, "devs": devs,
+       "hold": hold}
 
 for line in sys.stdin:
     cmd = json.loads(line)
@@ -389,3 +404,30 @@ def test_a_crashed_workers_namespaces_and_links_are_removed_at_its_next_start(
     finally:
         loop.run(second.close())
         loop.run(first.stop(sandbox))
+
+
+def test_a_sandbox_holds_at_most_its_share_of_the_gates_connections(
+    env: Env, loop: Loop, internet: Internet, probes: list[Probe]
+) -> None:
+    config = EgressConfig(permit=(internet.subnet,), resolver=internet.resolver, max_connections=3)
+    rt = other_runtime(env, egress=config)
+    loop.run(rt.prepare())
+    try:
+        probe = start_probe(loop, rt, internet, True)
+        try:
+            held = probe("hold", host=internet.addresses["tcp.test"], port=7000, n=5)
+            assert held == ["tcp-host"] * 3 + ["cut"] * 2
+            # closed again: room for new ones
+            deadline = time.monotonic() + 10
+            while probe.state()["open"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert (
+                probe("hold", host=internet.addresses["tcp.test"], port=7000, n=3)
+                == ["tcp-host"] * 3
+            )
+            reasons = [r["reason"] for r in probe.state()["recent_refusals"]]
+            assert reasons == ["more than 3 connections open"] * 2
+        finally:
+            loop.run(rt.stop(probe.sandbox))
+    finally:
+        loop.run(rt.close())

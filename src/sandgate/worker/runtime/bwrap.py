@@ -308,6 +308,7 @@ class BwrapRuntime:
             bounds=OperatorBounds.of(config.deny, config.permit),
             resolver=config.upstream(),
             sandbox_subnet=net.subnet,
+            max_connections=config.max_connections,
         )
         await gate.start()
         try:
