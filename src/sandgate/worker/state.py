@@ -143,6 +143,11 @@ WORKER_OBJECT_STATE: Mapping[str, StateRow] = MappingProxyType(
             "one per sandbox whose network is on",
             "per-process by nature: the links are this host's",
         ),
+        "BwrapRuntime._network_changes": StateRow(
+            "serialises changes of a running sandbox's network (its link and slot)",
+            "one lock per worker",
+            "per-process by nature: the links are this host's",
+        ),
         "NetHost.spares": StateRow(
             "network namespaces made ahead for the next sandbox starts, with a link and without",
             "2 of each kind (`netns.SPARES`)",

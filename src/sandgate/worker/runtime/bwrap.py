@@ -196,6 +196,7 @@ class BwrapRuntime:
         self.net: netns.NetHost | None = None
         self.gate: EgressGate | None = None
         self._network_problem = "the runtime is not prepared"
+        self._network_changes = asyncio.Lock()  # one set_network at a time: links, slots
         self.uids = UidPool(uid_lock_dir or DEFAULT_UID_LOCK_DIR, uid_base, uid_count)
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.etc_dir = self.state_dir / "etc"
@@ -332,14 +333,15 @@ class BwrapRuntime:
                 raise NetworkUnavailableError(self._network_unavailable())
             return
         name = sandbox.spec.name
-        self.gate.add(name, policy)
-        if policy.enabled and not net.connected:
-            await self.net.connect(net)
-            self.gate.link(name, net.sandbox_ip)
-        elif not policy.enabled and net.connected:
-            self.gate.link(name, "")
-            await self.net.disconnect(net)
-        sandbox.private["policy"] = policy
+        async with self._network_changes:
+            self.gate.add(name, policy)
+            if policy.enabled and not net.connected:
+                await self.net.connect(net)
+                self.gate.link(name, net.sandbox_ip)
+            elif not policy.enabled and net.connected:
+                self.gate.link(name, "")
+                await self.net.disconnect(net)
+            sandbox.private["policy"] = policy
 
     def network_state(self, sandbox: RunningSandbox) -> dict[str, Any]:
         policy: NetworkPolicy = sandbox.private.get("policy", NO_NETWORK)
