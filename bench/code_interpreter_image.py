@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import time

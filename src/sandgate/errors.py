@@ -248,6 +248,7 @@ WIRE_CODES: Mapping[str, type[SandgateError]] = MappingProxyType(
         "directory_not_empty": ConflictError,
         "not_running": ConflictError,
         "process_exited": ConflictError,
+        "connection_closed": ConflictError,  # the agent: a port connection writes no more
         "storage_full": StorageFullError,
         "disk_quota_exceeded": DiskQuotaExceededError,
         # limits and availability
@@ -266,6 +267,7 @@ WIRE_CODES: Mapping[str, type[SandgateError]] = MappingProxyType(
         # failures
         "worker_error": WorkerError,
         "io_error": WorkerError,  # the agent: any other OSError
+        "port_not_listening": WorkerError,  # the agent: nothing listens on a sandbox's port
         "store_error": StoreError,
     }
 )

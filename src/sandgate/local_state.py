@@ -64,9 +64,11 @@ AGENT_STATE: Mapping[str, StateRow] = MappingProxyType(
     {
         "agent": StateRow(
             "the in-sandbox agent's open file handles, exec process groups, background processes "
-            "and terminals with their output buffers, directory watches with their events",
+            "and terminals with their output buffers, directory watches with their events, "
+            "connections to the sandbox's ports",
             "64 handles; 256 processes/terminals with at most 1 MiB of output each; 64 watches "
-            "with at most 10,000 events each",
+            "with at most 10,000 events each; 256 port connections, each holding at most one "
+            "read's answer (1 MiB) and 8 writes",
             "per-process by nature: one agent process per sandbox, gone with it",
         ),
     }
@@ -131,6 +133,23 @@ AGENT_GROWTH: tuple[tuple[str, str, str], ...] = (
         "agent `AgentState.groups`, `Registry._orphans`",
         "process groups that may still be alive, to kill at exit",
         "pruned of dead groups at every start: the live groups, at most the sandbox's `pids`",
+    ),
+    (
+        "agent `Ports._conns`",
+        "TCP connections to ports inside the sandbox (`port_open`: previews, the port proxy)",
+        "256 (`MAX_CONNECTIONS`): an open with 256 open is refused; one no request used for "
+        "its idle time (`IDLE_SECONDS` by default) is closed, and all are at the agent's exit",
+    ),
+    (
+        "agent `Conn.buffer`, `Conn.writes`",
+        "what a waiting read took from one connection; writes the kernel has not taken yet",
+        "one read's `max` (`MAX_READ_BYTES`, 1 MiB); `MAX_PENDING_WRITES` writes, each one "
+        "frame: the rest waits in the kernel's socket buffers",
+    ),
+    (
+        "agent `Ports._inbox`",
+        "port requests handed to the port loop, not yet taken by it",
+        "the worker's requests in flight to this agent",
     ),
     (
         "agent `AgentState.queues`",

@@ -201,8 +201,9 @@ async def test_host_routing_and_signed_urls(fast: Fast) -> None:
     # no E2b-Sandbox-Id header: the Host names the sandbox
     health = await bare.get("/health", headers={**host, "X-Access-Token": token})
     assert health.status_code == 204
+    # another port is a server in the sandbox (the port proxy), never public: a credential
     other_port = await bare.get("/", headers={"Host": f"8080-{sid}.{DOMAIN}"})
-    assert other_port.status_code == 502 and "8080" in other_port.json()["message"]
+    assert other_port.status_code == 401 and "preview" in other_port.json()["error"]["message"]
     # an upload and a download by signed URL only, as a browser or curl would
     path = "/home/user/signed.txt"
     signed = e2b_auth.file_signature(path, "write", None, token, None)

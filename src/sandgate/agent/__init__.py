@@ -23,6 +23,7 @@ MODULES = (
     "children",  # background processes and terminals: one child, forking a terminal
     "output",  # background processes and terminals: the bounded output buffer
     "watch",  # directory watches (inotify): the requests, the watchers, their event buffers
+    "ports",  # connections to the sandbox's ports (previews): one loop thread serves them
 )
 
 # Programs deployed beside the agent but never imported by it: the control plane starts them

@@ -9,14 +9,16 @@ sandbox's system Python with the standard library only:
 
 Here: the frame loop, dispatch onto threads, and the agent's start and exit. The operations
 live in files.py (file operations and handles), execute.py (exec), procs.py (background
-processes and terminals) and watch.py (directory watches); everything the agent keeps in
+processes and terminals), watch.py (directory watches) and ports.py (connections to the
+sandbox's ports, served by one thread of their own); everything the agent keeps in
 memory is the one ``AgentState`` (state.py) made by main() and handed to every operation.
 
 Startup is on the sandbox-create latency path and one agent idles in every sandbox, so only
 cheap modules are imported here; subprocess, selectors, shutil, procs.py (with children.py
-and output.py) and watch.py are imported on first use and ctypes (malloc tuning) just after
-the ready event. Each request runs on a daemon thread of its own, except that the operations
-on one handle run one after another in arrival order; stderr is the agent's log.
+and output.py), watch.py and ports.py are imported on first use and ctypes (malloc tuning)
+just after the ready event. Each request runs on a daemon thread of its own, except that the
+operations on one handle run one after another in arrival order and port requests are served
+by the port loop; stderr is the agent's log.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
     from types import FrameType
 
-    from sandgate.agent import execute, files, frames, paths, procs, watch
+    from sandgate.agent import execute, files, frames, paths, ports, procs, watch
     from sandgate.agent.log import log
     from sandgate.agent.request import AgentError, Header
     from sandgate.agent.state import AgentState
@@ -110,6 +112,40 @@ def _watches(st: AgentState) -> watch.Watches:
 def op_watches(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
     """Every watch_* operation: see watch.py. watch_read long-polls on its own thread."""
     return _watches(st).handle(str(req.get("op")), req, payload)
+
+
+# --------------------------------------------------------------------------- ports
+
+_PORT_OPS = frozenset(("port_open", "port_write", "port_read", "port_shutdown", "port_close"))
+
+
+def _ports(st: AgentState) -> ports.Ports:
+    """The agent's connections to its sandbox's ports, made (and ports.py imported) on first
+    use. Its one loop thread answers port requests itself (see ports.py)."""
+    with st.ports_lock:
+        if st.closing:
+            raise AgentError("io_error", "the agent is shutting down")
+        if st.ports is None:
+            module = __import__("ports")  # ports.py, next to this file
+            answer, fail = partial(_answer, st), partial(_fail, st)
+            st.ports = cast("ports.Ports", module.Ports(answer, fail))
+        return st.ports
+
+
+def _submit_port(st: AgentState, request_id: int, op: str, req: Header, payload: bytes) -> None:
+    """On the reading thread: hand a port_* request to the port loop, which answers it."""
+    try:
+        _ports(st).submit(request_id, op, req, payload)
+    except AgentError as exc:
+        _fail(st, request_id, exc.code, exc.message)
+
+
+def _answer(st: AgentState, request_id: int, fields: Header, body: bytes) -> None:
+    _write_frame(st, frames.encode({"id": request_id, "ok": True, **fields}, body))
+
+
+def _fail(st: AgentState, request_id: int, code: str, message: str) -> None:
+    _write_frame(st, frames.encode(frames.error_header(request_id, code, message)))
 
 
 def op_ping(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
@@ -201,6 +237,9 @@ _PID_OPS = frozenset({"proc_stdin", "pty_write", "pty_resize", "pty_close"})
 def _dispatch(st: AgentState, request_id: int, req: Header, payload: bytes) -> None:
     """Called on the reading thread: start the request on a thread of its own."""
     op = req.get("op")
+    if op in _PORT_OPS:  # no thread of its own: the port loop serves it (ports.py)
+        _submit_port(st, request_id, str(op), req, payload)
+        return
     field = "handle" if op in _HANDLE_OPS else "pid" if op in _PID_OPS else None
     value = req.get(field) if field is not None else None
     if field is None or not isinstance(value, int) or isinstance(value, bool):
@@ -240,6 +279,9 @@ def _shutdown(st: AgentState, status: int) -> None:
     with st.watches_lock:
         if st.watches is not None:
             st.watches.shutdown()
+    with st.ports_lock:
+        if st.ports is not None:
+            st.ports.shutdown()
     files.drop_uploads(st)
     try:
         sys.stderr.flush()

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sandgate.agent import procs, watch
+    from sandgate.agent import ports, procs, watch
     from sandgate.agent.request import Header
 
 
@@ -29,6 +29,8 @@ class AgentState:
         "handles",
         "handles_lock",
         "next_handle",
+        "ports",
+        "ports_lock",
         "python",
         "queues",
         "queues_lock",
@@ -71,6 +73,10 @@ class AgentState:
         # signal arrives during shutdown
         self.watches_lock = threading.RLock()
         self.watches: watch.Watches | None = None
+        # connections to the sandbox's ports (ports.py), made by the first port_* request;
+        # re-entered when a signal arrives during shutdown
+        self.ports_lock = threading.RLock()
+        self.ports: ports.Ports | None = None
         # requests waiting for one handle or pid, in arrival order (main.py)
         self.queues_lock = threading.Lock()
         self.queues: dict[tuple[str, int], list[tuple[int, Header, bytes]]] = {}

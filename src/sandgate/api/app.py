@@ -14,12 +14,14 @@ from sandgate.api.deps import Services
 from sandgate.api.e2b.dispatch import E2BDispatch
 from sandgate.api.internal_auth import InternalAuth
 from sandgate.api.limits import BodyLimit
+from sandgate.api.ports import is_proxied_path
 from sandgate.api.routes import (
     admission,
     contexts,
     exec_jobs,
     files,
     internal,
+    ports,
     processes,
     pty,
     sandboxes,
@@ -33,6 +35,7 @@ from sandgate.control.contexts import ContextService
 from sandgate.control.create import CreatePipeline
 from sandgate.control.exec_jobs import ExecJobService
 from sandgate.control.peers import PeerClient
+from sandgate.control.ports import PortService
 from sandgate.control.reaper import Reaper
 from sandgate.control.recovery import TIMEOUTS_KEPT, Recovery
 from sandgate.control.sandboxes import SandboxService
@@ -86,6 +89,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             ContextService(toolbox),
             templates_service,
             BuildService(store, settings, templates_service, creates, toolbox, service),
+            PortService(toolbox),
         )
         try:
             # this instance holds no tunnel yet: records naming it are from before a crash or
@@ -146,6 +150,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(files.router)
     app.include_router(processes.router)
     app.include_router(pty.router)
+    app.include_router(ports.router)
     app.include_router(contexts.router)
     app.include_router(templates.router)
     app.include_router(system.router)
@@ -155,6 +160,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         max_bytes=settings.max_json_bytes,
         streaming_suffixes=("/toolbox/files", "/stdin", "/api/v1/templates"),
         idle_timeout=settings.body_idle_timeout,
+        proxied=is_proxied_path,  # a sandbox's ports: their route authenticates first
     )
     app.add_middleware(
         InternalAuth, secret=settings.secret, idle_timeout=settings.body_idle_timeout

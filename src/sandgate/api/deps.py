@@ -19,6 +19,7 @@ from sandgate.control.builds import BuildService
 from sandgate.control.contexts import ContextService
 from sandgate.control.create import CreatePipeline
 from sandgate.control.exec_jobs import ExecJobService
+from sandgate.control.ports import PortService
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.state import ServerLocalState
 from sandgate.control.templates import TemplateService
@@ -43,6 +44,7 @@ class Services:
     contexts: ContextService  # code contexts (kernels) inside sandboxes
     templates: TemplateService  # what a create may start from; image imports
     builds: BuildService  # templates built from steps, in the tenants' sandboxes
+    ports: PortService  # connections to servers inside sandboxes (previews)
 
 
 def services(request: Request) -> Services:

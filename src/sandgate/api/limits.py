@@ -1,7 +1,10 @@
 """Request body caps and deadlines, enforced before a handler reads the body (pure ASGI).
 
 - A request with a body and no credentials at all gets 401 before a byte of it is read
-  (a wrong key is found only by the handler, after a body bounded as below).
+  (a wrong key is found only by the handler, after a body bounded as below). Requests for
+  a sandbox's ports (`proxied`) are let through uncapped: their credential may be a preview
+  token, which their route checks before it reads a byte, and their body is streamed on to
+  the sandbox; the idle timeout holds for them too.
 - A JSON body over `max_bytes` gets 413 (file uploads and stdin stream instead: their
   routes bound them).
 - A JSON body must arrive whole within `idle_timeout` s; a streamed one may take longer
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -41,8 +45,10 @@ class BodyLimit:
         idle_timeout: float = BODY_IDLE_TIMEOUT,
         keyed_prefix: str = "/api/",
         shape: Shape = native_body,
+        proxied: Callable[[str], bool] | None = None,
     ) -> None:
         self.app = app
+        self.proxied = proxied  # paths that authenticate and bound their body themselves
         self.max_bytes = max_bytes
         self.streaming_suffixes = streaming_suffixes
         self.idle_timeout = idle_timeout
@@ -55,8 +61,10 @@ class BodyLimit:
             return
         headers = dict(scope.get("headers", ()))
         path: str = scope["path"]
+        proxied = self.proxied is not None and self.proxied(path)
         if (
-            scope["method"] in BODY_METHODS
+            not proxied
+            and scope["method"] in BODY_METHODS
             and path.startswith(self.keyed_prefix)
             and not any(name in headers for name in CREDENTIAL_HEADERS)
         ):
@@ -69,7 +77,7 @@ class BodyLimit:
                 shape=self.shape,
             )
             return
-        streaming = path.endswith(self.streaming_suffixes)
+        streaming = proxied or path.endswith(self.streaming_suffixes)
         if not streaming and b"content-length" in headers:
             try:
                 declared = int(headers[b"content-length"])

@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from sandgate.core.ports import DEFAULT_PREVIEW_TTL, MAX_PREVIEW_TTL
+
 RESERVED_METADATA = ("idem", "idem_owner")
 MIN_DISK_MB = 64  # the smallest sandbox file system
 
@@ -324,6 +326,19 @@ class PtyToken(_In):
 class PtyTokenOut(BaseModel):
     token: str
     expires_at: datetime
+
+
+class PreviewIn(_In):
+    """`POST /api/v1/sandboxes/{name}/ports/{port}/preview`: how long the URL works."""
+
+    ttl: float = Field(default=DEFAULT_PREVIEW_TTL, gt=0, le=MAX_PREVIEW_TTL)
+
+
+class PreviewOut(BaseModel):
+    url: str  # the path form, with the token: works without an API key until expires_at
+    token: str
+    expires_at: datetime
+    host_url: str | None = None  # the host form, {port}-{name}.<domain>, when there is one
 
 
 class ErrorBody(BaseModel):

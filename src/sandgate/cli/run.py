@@ -97,7 +97,8 @@ def server(
             envvar="SANDGATE_E2B_DOMAIN",
             help="E2B's SDKs reach sandboxes at {port}-{sandboxID}.<domain> (behind a TLS "
             "proxy with a wildcard certificate): requests with such a Host go to the "
-            "sandbox's envd; users then set only E2B_DOMAIN (docs/e2b.md)",
+            "sandbox's envd, or for another port to the server listening on it in the "
+            "sandbox (previews, get_host); users then set only E2B_DOMAIN (docs/e2b.md)",
         ),
     ] = None,
     tenant_share: Annotated[

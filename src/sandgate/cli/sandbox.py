@@ -1,4 +1,4 @@
-"""`sandgate sandbox ...`: create, list, remove, run in and follow sandboxes, on the SDK.
+"""`sandgate sandbox ...`: create, list, remove, run in, follow and preview sandboxes, on the SDK.
 
 Every client command takes `--url` (`$SANDGATE_URL`) and `--api-key` (`$SANDGATE_API_KEY`),
 defaulting as the SDK does: the local `sandgate up` whose `./.sandgate/url` and
@@ -184,6 +184,26 @@ def rm(
             typer.echo(name)
     if failed:
         raise typer.Exit(1)
+
+
+@app.command("preview")
+def preview(
+    name: NameArg,
+    port: Annotated[int, typer.Argument(help="the port a server listens on inside the sandbox")],
+    ttl: Annotated[
+        float | None,
+        typer.Option(help="seconds the URL works (server default 3600, at most 86400)"),
+    ] = None,
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Print a URL to PORT of the sandbox that works without an API key (open it in a
+    browser); with a preview domain, the host form's URL on a second line."""
+    with reported_errors(), connect(url, api_key) as client:
+        made = client.sandboxes.preview(name, port, ttl=ttl)
+    typer.echo(made.url)
+    if made.host_url:
+        typer.echo(made.host_url)
 
 
 @app.command("exec")

@@ -70,6 +70,7 @@ from sandgate.client.models import (
     Execution,
     ExecutionError,
     OutputMessage,
+    Preview,
     PtyToken,
     Result,
     SandboxInfo,
@@ -374,6 +375,17 @@ class AsyncSandboxes:
             "DELETE", f"/api/v1/sandboxes/{name}", safety=Safety.IDEMPOTENT, gone_ok=True
         )
 
+    async def preview(self, name: str, port: int, ttl: float | None = None) -> Preview:
+        """A URL to `port` of sandbox `name` (a server listening inside it) that works
+        without an API key for `ttl` seconds (server default 3600, at most 86400)."""
+        return await _preview(self._api, name, port, ttl)
+
+
+async def _preview(api: _AsyncApi, name: str, port: int, ttl: float | None) -> Preview:
+    body = {"ttl": ttl} if ttl is not None else None
+    path = f"/api/v1/sandboxes/{name}/ports/{port}/preview"
+    return Preview.from_json(await api.json("POST", path, safety=Safety.IDEMPOTENT, json=body))
+
 
 @dataclass(kw_only=True, eq=False, repr=False)
 class AsyncSandbox(SandboxInfo):
@@ -522,6 +534,12 @@ class AsyncSandbox(SandboxInfo):
     ) -> ExecJob:
         """As `AsyncSandgate.wait_exec_job`: poll until it succeeded or failed."""
         return await _AsyncExecJobs(self._api).wait(job_id, timeout=timeout, poll=poll)
+
+    async def preview(self, port: int, ttl: float | None = None) -> Preview:
+        """A URL to `port` of this sandbox that works without an API key for `ttl` seconds
+        (server default 3600): `sandbox.preview(8000).url`. With the API key the same port
+        answers at `<api url>/api/v1/sandboxes/{name}/ports/{port}/...` too."""
+        return await _preview(self._api, self.name, port, ttl)
 
     async def pty_token(self, ttl: float | None = None) -> PtyToken:
         """A short-lived token that opens a terminal on this sandbox (`?token=`), for browsers."""

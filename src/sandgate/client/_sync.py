@@ -56,6 +56,7 @@ from sandgate.client.models import (
     Execution,
     ExecutionError,
     OutputMessage,
+    Preview,
     PtyToken,
     Result,
     SandboxInfo,
@@ -348,6 +349,17 @@ class Sandboxes:
             "DELETE", f"/api/v1/sandboxes/{name}", safety=Safety.IDEMPOTENT, gone_ok=True
         )
 
+    def preview(self, name: str, port: int, ttl: float | None = None) -> Preview:
+        """A URL to `port` of sandbox `name` (a server listening inside it) that works
+        without an API key for `ttl` seconds (server default 3600, at most 86400)."""
+        return _preview(self._api, name, port, ttl)
+
+
+def _preview(api: _Api, name: str, port: int, ttl: float | None) -> Preview:
+    body = {"ttl": ttl} if ttl is not None else None
+    path = f"/api/v1/sandboxes/{name}/ports/{port}/preview"
+    return Preview.from_json(api.json("POST", path, safety=Safety.IDEMPOTENT, json=body))
+
 
 @dataclass(kw_only=True, eq=False, repr=False)
 class Sandbox(SandboxInfo):
@@ -492,6 +504,12 @@ class Sandbox(SandboxInfo):
     ) -> ExecJob:
         """As `Sandgate.wait_exec_job`: poll until it succeeded or failed."""
         return _ExecJobs(self._api).wait(job_id, timeout=timeout, poll=poll)
+
+    def preview(self, port: int, ttl: float | None = None) -> Preview:
+        """A URL to `port` of this sandbox that works without an API key for `ttl` seconds
+        (server default 3600): `sandbox.preview(8000).url`. With the API key the same port
+        answers at `<api url>/api/v1/sandboxes/{name}/ports/{port}/...` too."""
+        return _preview(self._api, self.name, port, ttl)
 
     def pty_token(self, ttl: float | None = None) -> PtyToken:
         """A short-lived token that opens a terminal on this sandbox (`?token=`), for browsers."""

@@ -224,6 +224,29 @@ class PtyToken:
         return cls(token=str(body["token"]), expires_at=expires)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Preview:
+    """A URL to a port of a sandbox that works without an API key until `expires_at`: open
+    it in a browser (its page's own requests carry the token as a cookie)."""
+
+    url: str  # the path form: <api url>/api/v1/sandboxes/{name}/ports/{port}/?sandgate_preview=
+    token: str
+    expires_at: datetime
+    host_url: str | None = None  # {port}-{name}.<domain>, on a deployment with a domain
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> Preview:
+        expires = _time(body["expires_at"])
+        assert expires is not None
+        host_url = body.get("host_url")
+        return cls(
+            url=str(body["url"]),
+            token=str(body["token"]),
+            expires_at=expires,
+            host_url=str(host_url) if host_url else None,
+        )
+
+
 # ------------------------------------------------------------------------------ code contexts
 
 

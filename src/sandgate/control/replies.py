@@ -108,6 +108,19 @@ class StartedReply(_Reply):
     output: OutputReply
 
 
+class PortOpenReply(_Reply):
+    """port_open: the connection's number, and with a wait, its first read (`eof`)."""
+
+    conn: int = Field(ge=1)
+    eof: bool = False
+
+
+class PortReadReply(_Reply):
+    """port_read: the bytes are the payload; `eof`: the server ended its stream."""
+
+    eof: bool = False
+
+
 class WrittenReply(_Reply):
     written: int = Field(default=0, ge=0)
 

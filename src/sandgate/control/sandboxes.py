@@ -8,9 +8,9 @@ import logging
 from dataclasses import replace
 from datetime import timedelta
 
+from sandgate.agent.frames import Header
 from sandgate.control.state import ServerLocalState
 from sandgate.control.workers import WorkerRegistry
-from sandgate.agent.frames import Header
 from sandgate.core.clock import utcnow
 from sandgate.core.egress_policy import NetworkPolicy
 from sandgate.errors import (

@@ -3,8 +3,9 @@
 Every operation the API offers inside a running sandbox is a typed method here: exec; file
 upload, download, stat, list, mkdir, move, remove; processes (start, list, output, stdin,
 signal); terminals (open, read, write, resize, close). This is the only module that builds
-agent calls and reads their replies. Routes translate HTTP into these calls and back, and
-so will the E2B front-end later.
+agent calls and reads their replies, with `control/ports.py` (connections to a sandbox's
+ports), which makes its calls through `agent_call`. Routes translate HTTP into these calls
+and back, and so does the E2B front-end.
 
 Under each method: the tenant's running sandbox (`SandboxService.running`), then
 `WorkerRegistry.request` to its worker. That call goes through this instance's tunnel or,
@@ -126,6 +127,19 @@ class Toolbox:
         return await self.workers.request(
             sandbox.worker, "agent", relay, payload, wait=seconds + RELAY_GRACE
         )
+
+    async def agent_call(
+        self,
+        tenant: TenantId,
+        name: str,
+        op: str,
+        fields: Mapping[str, Any] | None = None,
+        payload: bytes = b"",
+        *,
+        seconds: float = DEFAULT_CALL_SECONDS,
+    ) -> tuple[Header, bytes]:
+        """`_call` for the seam's other services (control/ports.py), which parse the reply."""
+        return await self._call(tenant, name, op, fields, payload, seconds=seconds)
 
     # -- exec ------------------------------------------------------------------------------
     async def execute(

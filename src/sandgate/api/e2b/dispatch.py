@@ -1,9 +1,12 @@
 """The outermost ASGI layer of an instance: one port for the native API and E2B's surface.
 
 Each HTTP request goes where `routing.route` says: envd (`envd.EnvdFront`), E2B's REST API
-(`rest`), or on to the native app. Requests routed by `Host` get the `E2b-Sandbox-Id` /
-`E2b-Sandbox-Port` headers added, so envd reads one place. Both E2B front-ends get their own
-body limits (E2B-shaped refusals); lifespan and WebSocket traffic is the native app's.
+(`rest`), the port proxy, or on to the native app. Requests routed by `Host` get the
+`E2b-Sandbox-Id` / `E2b-Sandbox-Port` headers added, so envd reads one place. Both E2B
+front-ends get their own body limits (E2B-shaped refusals). A request (HTTP or WebSocket)
+for any other port of a sandbox (`sandbox.get_host(port)`) goes to the native app's port
+proxy, as its path form (`api.ports.port_scope`); other lifespan and WebSocket traffic is
+the native app's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from sandgate.api.e2b.envd import EnvdFront
 from sandgate.api.e2b.rest import create_e2b_rest_app
 from sandgate.api.errors import e2b_body
 from sandgate.api.limits import BodyLimit
+from sandgate.api.ports import port_scope
 from sandgate.config import ServerSettings
 
 
@@ -43,11 +47,15 @@ class E2BDispatch:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         found = routing.route(scope["path"], scope.get("headers", ()), self.domain)
-        if found.to == "envd":
+        if found.to == "port":
+            await self.app(port_scope(scope, found.sandbox, found.port), receive, send)
+        elif scope["type"] != "http":
+            await self.app(scope, receive, send)
+        elif found.to == "envd":
             headers = list(scope.get("headers", ()))
             if not any(name == b"e2b-sandbox-id" for name, _ in headers):
                 headers += [

@@ -4,7 +4,8 @@ then handed to the Connect services (`process`, `filesystem`) or to `/files` and
 In this order, so nothing about a sandbox is revealed before its credential is checked:
 
 1. the sandbox's envd port (49983) and its code interpreter's (49999, api.e2b.interpreter)
-   are served here (others: 502, saying so);
+   are served here (others go to the port proxy, api/ports, by `routing`; one that still
+   came here: 502, saying so);
 2. the credential: `X-Access-Token` (the `envdAccessToken` create answered), or for
    `/files` a signed URL, or on the interpreter's port `E2B-Traffic-Access-Token` (the
    `trafficAccessToken`: that SDK sends the access token on `/execute` only). Missing:
