@@ -21,6 +21,16 @@ if TYPE_CHECKING:
     from sandgate.client import Sandgate
 
 app = typer.Typer(help="Create, list, remove and run commands in sandboxes.", no_args_is_help=True)
+AllowOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--allow-out", help="domain (pypi.org, *.github.com), address or CIDR it may reach; repeat"
+    ),
+]
+DenyOpt = Annotated[
+    list[str] | None,
+    typer.Option("--deny-out", help="domain, address or CIDR it may not reach; repeatable"),
+]
 
 UrlOpt = Annotated[
     str | None,
@@ -101,22 +111,70 @@ def create(
     env: Annotated[
         list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE, repeatable")
     ] = None,
-    network: Annotated[bool, typer.Option("--network", help="give it network access")] = False,
+    network: Annotated[bool, typer.Option("--network", help="give it the public internet")] = False,
+    allow_out: AllowOpt = None,
+    deny_out: DenyOpt = None,
     idempotency_key: Annotated[
         str | None, typer.Option(help="the same key never makes a second sandbox")
     ] = None,
 ) -> None:
     """Create a sandbox and print its name."""
+    policy = network_policy(network, allow_out, deny_out)
     with reported_errors(), connect(url, api_key) as client:
         box = client.sandboxes.create(
             template=template,
             timeout=timeout,
             metadata=pairs(metadata, "--metadata"),
             env=pairs(env, "--env"),
-            network=network or None,
+            network=policy or None,
             idempotency_key=idempotency_key,
         )
         typer.echo(box.name)
+
+
+def network_policy(
+    on: bool, allow_out: list[str] | None, deny_out: list[str] | None
+) -> bool | dict[str, list[str]]:
+    """--network / --allow-out / --deny-out as a policy: rules if any are given."""
+    if allow_out or deny_out:
+        return {"allow_out": list(allow_out or []), "deny_out": list(deny_out or [])}
+    return on
+
+
+@app.command("network")
+def network(
+    name: NameArg,
+    on: Annotated[
+        bool | None,
+        typer.Option("--on/--off", help="give it the public internet / take its network away"),
+    ] = None,
+    allow_out: AllowOpt = None,
+    deny_out: DenyOpt = None,
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Show a sandbox's network policy and what its egress gate refused; with --on, --off,
+    --allow-out or --deny-out, change it first (new connections follow at once)."""
+    change = on is not None or allow_out or deny_out
+    with reported_errors(), connect(url, api_key) as client:
+        if change:
+            policy = network_policy(bool(on), allow_out, deny_out)
+            state = client.sandboxes.set_network(name, policy)
+        else:
+            state = client.sandboxes.network_state(name)
+    rules = state.network
+    if isinstance(rules, dict):
+        shown = "; ".join(f"{k}: {', '.join(v) or '-'}" for k, v in rules.items())
+    else:
+        shown = "the public internet" if rules else "off (loopback only)"
+    typer.echo(f"network: {shown}")
+    typer.echo(
+        f"connections: {state.allowed} let through ({state.open} open), {state.refused} "
+        f"refused; names refused: {state.dns_refused}"
+    )
+    for refusal in state.recent_refusals:
+        when = datetime.fromtimestamp(float(refusal["at"])).strftime("%H:%M:%S")
+        typer.echo(f"  {when}  {refusal['target']}: {refusal['reason']}")
 
 
 def _when(value: datetime | None) -> str:

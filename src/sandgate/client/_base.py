@@ -223,12 +223,19 @@ def connection_error(exc: Exception, url: str) -> APIConnectionError:
 # ------------------------------------------------------------------------------ request bodies
 
 
+def network_body(network: bool | Mapping[str, Sequence[str]]) -> bool | dict[str, list[str]]:
+    """A network policy as JSON: false, true, or {"allow_out": [...], "deny_out": [...]}."""
+    if isinstance(network, bool):
+        return network
+    return {key: list(values) for key, values in network.items()}
+
+
 def create_body(
     template: str | None,
     timeout: float | None,
     metadata: Mapping[str, str] | None,
     env: Mapping[str, str] | None,
-    network: bool | None,
+    network: bool | Mapping[str, Sequence[str]] | None,
     resources: Mapping[str, float] | None,
 ) -> dict[str, Any]:
     """The JSON body of a sandbox create: only what the caller gave."""
@@ -242,7 +249,7 @@ def create_body(
     if env:
         body["env"] = dict(env)
     if network is not None:
-        body["network"] = network
+        body["network"] = network_body(network)
     if resources:
         body["resources"] = dict(resources)
     return body

@@ -38,6 +38,7 @@ from sandgate.client._base import (
     exec_job_body,
     exec_job_timeout,
     list_params,
+    network_body,
     ws_url,
 )
 from sandgate.client._sync_api import _Api
@@ -55,6 +56,7 @@ from sandgate.client.models import (
     ExecResult,
     Execution,
     ExecutionError,
+    NetworkState,
     OutputMessage,
     Preview,
     PtyToken,
@@ -293,12 +295,14 @@ class Sandboxes:
         timeout: float | None = None,
         metadata: Mapping[str, str] | None = None,
         env: Mapping[str, str] | None = None,
-        network: bool | None = None,
+        network: bool | Mapping[str, Sequence[str]] | None = None,
         resources: Mapping[str, float] | None = None,
         idempotency_key: str | None = None,
     ) -> Sandbox:
         """Create a sandbox and wait until it runs. Every retry of this call carries one
-        Idempotency-Key (`idempotency_key`, or a fresh uuid4), so it makes one sandbox."""
+        Idempotency-Key (`idempotency_key`, or a fresh uuid4), so it makes one sandbox.
+        `network`: False (none), True (the public internet) or rules, e.g.
+        ``{"allow_out": ["pypi.org", "*.github.com"]}`` (docs/api.md, Network)."""
         key = idempotency_key or str(uuid.uuid4())
         body = create_body(template, timeout, metadata, env, network, resources)
         answer = self._api.json(
@@ -349,10 +353,30 @@ class Sandboxes:
             "DELETE", f"/api/v1/sandboxes/{name}", safety=Safety.IDEMPOTENT, gone_ok=True
         )
 
+    def set_network(self, name: str, network: bool | Mapping[str, Sequence[str]]) -> NetworkState:
+        """Give the running sandbox another network policy: its new connections follow it
+        at once. Safe to retry."""
+        return _set_network(self._api, name, network)
+
+    def network_state(self, name: str) -> NetworkState:
+        """Its policy and what its worker's egress gate let through and refused."""
+        return _network_state(self._api, name)
+
     def preview(self, name: str, port: int, ttl: float | None = None) -> Preview:
         """A URL to `port` of sandbox `name` (a server listening inside it) that works
         without an API key for `ttl` seconds (server default 3600, at most 86400)."""
         return _preview(self._api, name, port, ttl)
+
+
+def _set_network(api: _Api, name: str, network: bool | Mapping[str, Sequence[str]]) -> NetworkState:
+    path = f"/api/v1/sandboxes/{name}/network"
+    body = {"network": network_body(network)}
+    return NetworkState.from_json(api.json("PUT", path, safety=Safety.IDEMPOTENT, json=body))
+
+
+def _network_state(api: _Api, name: str) -> NetworkState:
+    path = f"/api/v1/sandboxes/{name}/network"
+    return NetworkState.from_json(api.json("GET", path, safety=Safety.IDEMPOTENT))
 
 
 def _preview(api: _Api, name: str, port: int, ttl: float | None) -> Preview:
@@ -504,6 +528,17 @@ class Sandbox(SandboxInfo):
     ) -> ExecJob:
         """As `Sandgate.wait_exec_job`: poll until it succeeded or failed."""
         return _ExecJobs(self._api).wait(job_id, timeout=timeout, poll=poll)
+
+    def set_network(self, network: bool | Mapping[str, Sequence[str]]) -> NetworkState:
+        """Another network policy for this sandbox (`Sandboxes.set_network`)."""
+        state = _set_network(self._api, self.name, network)
+        self.network = state.network is not False
+        self.network_policy = state.network if isinstance(state.network, dict) else None
+        return state
+
+    def network_state(self) -> NetworkState:
+        """Its policy and the egress gate's counters for it."""
+        return _network_state(self._api, self.name)
 
     def preview(self, port: int, ttl: float | None = None) -> Preview:
         """A URL to `port` of this sandbox that works without an API key for `ttl` seconds

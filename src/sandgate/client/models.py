@@ -22,6 +22,8 @@ class SandboxInfo:
     metadata: dict[str, str] = field(default_factory=dict)
     worker: str | None = None
     network: bool = False
+    # its rules ({"allow_out": [...], "deny_out": [...]}) when it has some
+    network_policy: dict[str, list[str]] | None = None
     resources: dict[str, Any] = field(default_factory=dict)
     timeout: float = 0.0
     created_at: datetime | None = None
@@ -42,6 +44,7 @@ class SandboxInfo:
             "metadata": dict(body.get("metadata") or {}),
             "worker": body.get("worker"),
             "network": bool(body.get("network", False)),
+            "network_policy": body.get("network_policy"),
             "resources": dict(body.get("resources") or {}),
             "timeout": float(body.get("timeout") or 0.0),
             "created_at": _time(body.get("created_at")),
@@ -222,6 +225,29 @@ class PtyToken:
         expires = _time(body["expires_at"])
         assert expires is not None
         return cls(token=str(body["token"]), expires_at=expires)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkState:
+    """A sandbox's network as its worker's egress gate sees it (`GET …/network`)."""
+
+    network: bool | dict[str, list[str]]  # the policy in force
+    allowed: int  # connections let through
+    open: int  # of them, open now
+    refused: int  # connections refused
+    dns_refused: int  # names answered NXDOMAIN
+    recent_refusals: list[dict[str, Any]]  # the last 20: at, target, reason
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> NetworkState:
+        return cls(
+            network=body["network"],
+            allowed=int(body.get("allowed", 0)),
+            open=int(body.get("open", 0)),
+            refused=int(body.get("refused", 0)),
+            dns_refused=int(body.get("dns_refused", 0)),
+            recent_refusals=list(body.get("recent_refusals") or []),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

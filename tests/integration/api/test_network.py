@@ -7,8 +7,11 @@ private range: `--egress-permit`) and resolves names with their DNS (`--egress-r
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -219,3 +222,66 @@ def test_e2b_sdk_network_config(gated: Deployment, internet: Internet) -> None:
         assert devs.split() == ["lo"]
     finally:
         closed.kill()
+
+
+def test_sdk_and_cli(gated: Deployment, internet: Internet) -> None:
+    from sandgate.client import Sandgate
+
+    with Sandgate(gated.url, gated.keys["alpha"]) as client:
+        box = client.sandboxes.create(network={"allow_out": ["allowed.test"]})
+        try:
+            assert box.network is True
+            assert box.network_policy == {"allow_out": ["allowed.test"], "deny_out": []}
+            state = box.set_network({"deny_out": [internet.addresses["denied.test"]]})
+            assert state.network == {
+                "allow_out": [],
+                "deny_out": [internet.addresses["denied.test"]],
+            }
+            assert box.network_policy == state.network
+            denied = f"http://denied.test@{internet.addresses['denied.test']}"
+            code = (
+                "import socket; s = socket.create_connection(("
+                f"{internet.addresses['denied.test']!r}, 80), timeout=5); s.sendall(b'x'); "
+                "print(s.recv(10) or b'cut')"
+            )
+            ran = box.run(code, language="python")
+            assert "cut" in ran.stdout or "ConnectionResetError" in ran.stderr, denied
+            cli = subprocess.run(
+                [
+                    str(Path(sys.executable).parent / "sandgate"),
+                    "sandbox",
+                    "network",
+                    box.name,
+                    "--url",
+                    gated.url,
+                    "--api-key",
+                    gated.keys["alpha"],
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert cli.returncode == 0, cli.stderr
+            assert f"deny_out: {internet.addresses['denied.test']}" in cli.stdout
+            assert "1 refused" in cli.stdout
+            assert f"{internet.addresses['denied.test']}:80: " in cli.stdout
+            off = subprocess.run(
+                [
+                    str(Path(sys.executable).parent / "sandgate"),
+                    "sandbox",
+                    "network",
+                    box.name,
+                    "--off",
+                    "--url",
+                    gated.url,
+                    "--api-key",
+                    gated.keys["alpha"],
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert "network: off (loopback only)" in off.stdout, off.stdout + off.stderr
+            assert client.sandboxes.network_state(box.name).network is False
+        finally:
+            box.delete()
