@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ssl
 
-from sandgate.core.sniff import NEED_MORE, http_host, server_name, tls_server_name
+from sandgate.core.sniff import NEED_MORE, claims_a_name, http_host, server_name, tls_server_name
 
 
 def client_hello(name: str | None) -> bytes:
@@ -50,3 +50,35 @@ def test_http_host() -> None:
     assert http_host(b"GET / HTTP/1.1\r\n\r\n") is None  # no Host at all
     assert http_host(b"GET / HTTP/1.1\r\nHost: [::1]:80\r\n\r\n") is None
     assert http_host(b"GET / HTTP/1.1\r\nHost: a b\r\n\r\n") is None
+
+
+def split_records(hello: bytes, cut: int) -> bytes:
+    """The same ClientHello as two handshake records, cut `cut` bytes into its body."""
+    version, body = hello[1:3], hello[5:]
+    first, second = body[:cut], body[cut:]
+    return (
+        b"\x16"
+        + version
+        + len(first).to_bytes(2, "big")
+        + first
+        + b"\x16"
+        + version
+        + len(second).to_bytes(2, "big")
+        + second
+    )
+
+
+def test_a_client_hello_cut_into_several_records_is_put_together() -> None:
+    hello = client_hello("denied.test")
+    for cut in (1, 3, 40, 200):
+        split = split_records(hello, cut)
+        assert tls_server_name(split) == "denied.test", cut
+        assert tls_server_name(split[: len(split) - 1]) == NEED_MORE
+
+
+def test_what_claims_a_name() -> None:
+    assert claims_a_name(client_hello("x.test"))
+    assert claims_a_name(b"GET / HTTP/1.1\r\nHost: denied.test:80:\r\n\r\n")
+    assert http_host(b"GET / HTTP/1.1\r\nHost: denied.test:80:\r\n\r\n") is None
+    assert not claims_a_name(b"SSH-2.0-OpenSSH_9.2\r\n")
+    assert not claims_a_name(b"")

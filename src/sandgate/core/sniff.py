@@ -10,7 +10,7 @@ import re
 from typing import Final
 
 NEED_MORE: Final = "need-more"  # not enough bytes yet to say
-MAX_PEEK = 16 * 1024 + 5  # one TLS record; an HTTP request head larger than this has no name
+MAX_PEEK = 32 * 1024  # a ClientHello (in one record or several) or an HTTP request head
 
 _METHOD = re.compile(rb"^[A-Z]{3,10} \S+ HTTP/1\.[01]\r\n")
 _HOST = re.compile(rb"\r\nhost:[ \t]*([^\r\n]*)", re.IGNORECASE)
@@ -47,19 +47,31 @@ def http_host(data: bytes) -> str | None:
 
 def tls_server_name(data: bytes) -> str | None:
     """The SNI host name of a TLS ClientHello, None if there is none (or this is not TLS),
-    NEED_MORE while its first record is incomplete."""
-    if len(data) < 5:
-        return NEED_MORE if not data or data[0] == 0x16 else None
-    if data[0] != 0x16 or data[1] != 0x03:
-        return None
-    length = int.from_bytes(data[3:5], "big")
-    if len(data) < 5 + length:
-        return NEED_MORE if 5 + length <= MAX_PEEK else None
-    body = data[5 : 5 + length]
-    try:
-        return _sni_of_hello(body)
-    except IndexError:
-        return None
+    NEED_MORE while it is incomplete. The ClientHello may span several handshake records
+    (a client may cut it anywhere): they are put together first."""
+    handshake = b""
+    at = 0
+    while True:
+        if len(data) - at < 5:
+            if at == 0 and data and data[0] != 0x16:
+                return None
+            return NEED_MORE if len(data) < MAX_PEEK else None
+        if data[at] != 0x16 or data[at + 1] != 0x03:
+            return None  # not (or no longer) a handshake record
+        length = int.from_bytes(data[at + 3 : at + 5], "big")
+        if len(data) < at + 5 + length:
+            return NEED_MORE if at + 5 + length <= MAX_PEEK else None
+        handshake += data[at + 5 : at + 5 + length]
+        at += 5 + length
+        if len(handshake) >= 4:
+            needed = 4 + int.from_bytes(handshake[1:4], "big")
+            if len(handshake) >= needed:
+                try:
+                    return _sni_of_hello(handshake[:needed])
+                except IndexError:
+                    return None
+            if needed > MAX_PEEK:
+                return None
 
 
 def _sni_of_hello(body: bytes) -> str | None:
@@ -90,6 +102,12 @@ def _sni_of_hello(body: bytes) -> str | None:
             return None
         at += size
     return None
+
+
+def claims_a_name(data: bytes) -> bool:
+    """Whether these first bytes are TLS or an HTTP request: a protocol that names its
+    server, whether or not the name could be read."""
+    return (len(data) >= 2 and data[0] == 0x16 and data[1] == 0x03) or bool(_METHOD.match(data))
 
 
 def server_name(data: bytes) -> str | None:

@@ -38,6 +38,7 @@ import dns.asyncresolver
 import dns.exception
 import dns.flags
 import dns.message
+import dns.opcode
 import dns.rcode
 import dns.rdatatype
 import dns.resolver
@@ -65,6 +66,13 @@ LOG_BURST = 20
 RESOLVER_CACHE = 4096
 MAX_CONNECTIONS = 512  # open connections one sandbox may have through the gate (default)
 MAX_DNS_IN_FLIGHT = 64  # queries of one sandbox being answered; more are dropped
+UNLINK_WAIT = 2.0  # a network turned off waits this long for its connections to be cut
+DNS_TCP_IDLE = 10.0  # a DNS-over-TCP connection silent this long is closed
+DNS_RECEIVE_BUFFER = 4 << 20  # the DNS socket's: a burst from one sandbox does not drown others
+# TCP keepalive and user timeout on both ends of every relayed connection, so a peer that
+# vanished is noticed (and its descriptors freed) within a couple of minutes
+KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 60, 10, 6
+USER_TIMEOUT_MS = 120_000
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,8 @@ class EgressConfig:
     resolver: str = ""  # host[:port] the gate asks; "" = the host's first nameserver
     subnet: str = "10.211.0.0/16"  # the sandboxes' links (netns.py)
     max_connections: int = MAX_CONNECTIONS  # open at once per sandbox; more are refused
+    half_closed_linger: float = splice.LINGER  # a half-closed connection silent this long goes
+    dns_tcp_idle: float = DNS_TCP_IDLE  # a DNS-over-TCP connection silent this long goes
 
     def upstream(self) -> str:
         return self.resolver or system_resolver()
@@ -97,8 +107,10 @@ class GatedSandbox:
     policy: NetworkPolicy
     address: str = ""  # its link's address while connected
     allowed: int = 0
-    open: int = 0  # connections through the gate now, with their upstreams
+    open: int = 0  # connections through the gate now (DNS over TCP included)
     dns_in_flight: int = 0
+    # the tasks serving its connections: cancelled when its link goes or it is removed
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
     refused: int = 0
     dns_refused: int = 0
     recent: deque[Refusal] = field(default_factory=lambda: deque(maxlen=RECENT_REFUSALS))
@@ -174,11 +186,15 @@ class EgressGate:
         resolver: str,
         sandbox_subnet: ipaddress.IPv4Network,
         max_connections: int = MAX_CONNECTIONS,
+        half_closed_linger: float = splice.LINGER,
+        dns_tcp_idle: float = DNS_TCP_IDLE,
     ) -> None:
         self.bounds = bounds
         self.upstream = _parse_host_port(resolver, 53)
         self.sandbox_subnet = sandbox_subnet
         self.max_connections = max_connections
+        self.half_closed_linger = half_closed_linger
+        self.dns_tcp_idle = dns_tcp_idle
         self._resolver = dns.asyncresolver.Resolver(configure=False)
         self._resolver.nameservers = [self.upstream[0]]
         self._resolver.port = self.upstream[1]
@@ -208,8 +224,12 @@ class EgressGate:
         # the DNS listens on one port number for UDP and TCP
         for _ in range(20):
             loop = asyncio.get_running_loop()
+            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            with contextlib.suppress(OSError):
+                udp.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, DNS_RECEIVE_BUFFER)
+            udp.bind(("0.0.0.0", 0))
             transport, _protocol = await loop.create_datagram_endpoint(
-                lambda: _DnsDatagrams(self), local_addr=("0.0.0.0", 0)
+                lambda: _DnsDatagrams(self), sock=udp
             )
             port = transport.get_extra_info("sockname")[1]
             try:
@@ -259,17 +279,30 @@ class EgressGate:
         return entry
 
     def link(self, name: str, address: str) -> None:
+        """The sandbox's link address; "" when its link goes (its connections are cut)."""
         entry = self.sandboxes[name]
         if entry.address:
             self.by_address.pop(entry.address, None)
+            _cancel(entry.tasks)
         entry.address = address
         if address:
             self.by_address[address] = name
 
+    async def unlink(self, name: str) -> None:
+        """The sandbox's link goes: its connections are cut first (so their ends inside it
+        still hear of it), then its address is forgotten."""
+        entry = self.sandboxes[name]
+        tasks = list(entry.tasks)
+        self.link(name, "")
+        if tasks:
+            await asyncio.wait(tasks, timeout=UNLINK_WAIT)
+
     def remove(self, name: str) -> None:
         entry = self.sandboxes.pop(name, None)
-        if entry is not None and entry.address:
-            self.by_address.pop(entry.address, None)
+        if entry is not None:
+            if entry.address:
+                self.by_address.pop(entry.address, None)
+            _cancel(entry.tasks)
 
     def _entry_for(self, address: str) -> GatedSandbox | None:
         name = self.by_address.get(address)
@@ -292,22 +325,33 @@ class EgressGate:
                 await asyncio.sleep(0.1)
                 continue
             conn.setblocking(False)
+            _keep_alive(conn)
             self._spawn(self._proxy(conn, peer[0]))
+
+    def _admit(self, peer: str) -> GatedSandbox | None:
+        """The sandbox a new connection from `peer` is of, if it may have one more."""
+        entry = self._entry_for(peer)
+        if entry is None:
+            return None
+        if entry.open >= self.max_connections:
+            entry.note_refusal(peer, f"more than {self.max_connections} connections open")
+            return None
+        return entry
 
     async def _proxy(self, conn: socket.socket, peer: str) -> None:
         upstream: socket.socket | None = None
+        entry = self._admit(peer)
+        task = asyncio.current_task()
         try:
-            entry = self._entry_for(peer)
-            if entry is None:
-                return
-            if entry.open >= self.max_connections:
-                entry.note_refusal(peer, f"more than {self.max_connections} connections open")
+            if entry is None or task is None:
                 return
             entry.open += 1
+            entry.tasks.add(task)
             try:
                 upstream = await self._serve(entry, conn)
             finally:
                 entry.open -= 1
+                entry.tasks.discard(task)
         except OSError:
             pass
         finally:
@@ -329,6 +373,11 @@ class EgressGate:
                 first, name = await _peek(conn)
                 if name is not None:
                     target = f"{name}:{port} ({address})"
+                elif policy.deny_out.domains and sniff.claims_a_name(first):
+                    # TLS or HTTP whose name cannot be read: under a blocklist of domains it
+                    # might be one of them
+                    entry.note_refusal(target, "its TLS or HTTP name cannot be read")
+                    return None
             verdict = decide(policy, name=name, address=address)
             if not verdict.allowed:
                 entry.note_refusal(target, verdict.reason)
@@ -351,7 +400,7 @@ class EgressGate:
             entry.allowed += 1
             if first:
                 await asyncio.get_running_loop().sock_sendall(upstream, first)
-            await splice.relay(conn, upstream)
+            await splice.relay(conn, upstream, linger=self.half_closed_linger)
         except BaseException:
             if upstream is not None:
                 upstream.close()
@@ -369,14 +418,24 @@ class EgressGate:
 
     # ------------------------------------------------------------------ the DNS
 
-    async def answer(self, query_wire: bytes, source: str, *, max_size: int) -> bytes | None:
-        """The reply to one query from `source` (None: not a sandbox of ours, or garbage)."""
+    def dns_admits(self, source: str) -> GatedSandbox | None:
+        """The sandbox a query from `source` is of, if it may have one more in flight."""
         entry = self._entry_for(source)
         if entry is None or entry.dns_in_flight >= MAX_DNS_IN_FLIGHT:
+            return None
+        return entry
+
+    async def answer(self, query_wire: bytes, source: str, *, max_size: int) -> bytes | None:
+        """The reply to one query from `source` (None: not a sandbox of ours, too many of
+        its queries in flight, or not a query at all)."""
+        entry = self.dns_admits(source)
+        if entry is None:
             return None
         entry.dns_in_flight += 1
         try:
             return await self._answer(entry, query_wire, max_size=max_size)
+        except Exception:  # anything a hostile packet provokes: no answer, no traceback
+            return None
         finally:
             entry.dns_in_flight -= 1
 
@@ -387,6 +446,8 @@ class EgressGate:
             query = dns.message.from_wire(query_wire)
         except dns.exception.DNSException:
             return None
+        if query.flags & dns.flags.QR or query.opcode() != dns.opcode.QUERY:
+            return None  # a response, or not a query: nothing to answer
         if len(query.question) != 1:
             reply = dns.message.make_response(query)
             reply.set_rcode(dns.rcode.FORMERR)
@@ -417,19 +478,29 @@ class EgressGate:
             return cut.to_wire()
 
     async def _dns_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        entry = self._admit(peer[0]) if peer else None
+        task = asyncio.current_task()
+        if entry is None or task is None:
+            writer.close()
+            return
+        entry.open += 1  # counted with its connections through the proxy
+        entry.tasks.add(task)
         try:
-            peer = writer.get_extra_info("peername")
             while True:
-                size = int.from_bytes(await reader.readexactly(2), "big")
-                query = await reader.readexactly(size)
+                head = await asyncio.wait_for(reader.readexactly(2), self.dns_tcp_idle)
+                size = int.from_bytes(head, "big")
+                query = await asyncio.wait_for(reader.readexactly(size), self.dns_tcp_idle)
                 reply = await self.answer(query, peer[0], max_size=65535)
                 if reply is None:
                     return
                 writer.write(len(reply).to_bytes(2, "big") + reply)
-                await writer.drain()
-        except (OSError, asyncio.IncompleteReadError, ConnectionError):
+                await asyncio.wait_for(writer.drain(), self.dns_tcp_idle)
+        except (OSError, asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass
         finally:
+            entry.open -= 1
+            entry.tasks.discard(task)
             writer.close()
 
     def stats(self, name: str) -> dict[str, Any]:
@@ -446,12 +517,28 @@ class _DnsDatagrams(asyncio.DatagramProtocol):
         self.transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
-        self.gate._spawn(self._reply(data, addr))
+        if self.gate.dns_admits(str(addr[0])) is not None:  # else dropped before any task
+            self.gate._spawn(self._reply(data, addr))
 
     async def _reply(self, data: bytes, addr: tuple[str | Any, int]) -> None:
         reply = await self.gate.answer(data, str(addr[0]), max_size=1232)
         if reply is not None and self.transport is not None:
             self.transport.sendto(reply, addr)
+
+
+def _cancel(tasks: set[asyncio.Task[None]]) -> None:
+    for task in list(tasks):
+        task.cancel()
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    """Probe an idle peer, and give up on unacknowledged data, within about two minutes."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
 
 
 async def _peek(conn: socket.socket) -> tuple[bytes, str | None]:
@@ -482,6 +569,7 @@ async def _dial(addresses: list[ipaddress.IPv4Address], port: int) -> socket.soc
     for address in addresses:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
+        _keep_alive(sock)
         try:
             await asyncio.wait_for(loop.sock_connect(sock, (str(address), port)), CONNECT_TIMEOUT)
         except (OSError, TimeoutError):

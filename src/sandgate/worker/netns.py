@@ -10,7 +10,10 @@ route to the host's end. On the host, this worker's nftables table
 * UDP and TCP to port 53 (any address) go to the gate's DNS (`egress.py`);
 * every other TCP connection (any address, any port) goes to the gate's proxy port;
 * whatever else arrives (UDP, ICMP, IPv6, a packet with another source address) is dropped,
-  and nothing from or to these interfaces is ever forwarded.
+  and nothing from or to these interfaces is ever forwarded;
+* each sandbox may open `NEW_FLOWS_PER_S` new flows a second and hold `TRACKED_FLOWS` in the
+  host's connection tracking, and send `DNS_PACKETS_PER_S` DNS packets a second: more are
+  dropped before they are tracked, so one sandbox cannot fill the host's conntrack table.
 
 So a sandbox has no route to the host's loopback services, to another sandbox or to any
 network: its packets end on the host's side of its own link, where only the gate listens.
@@ -52,6 +55,12 @@ SANDBOX_IF = "eth0"
 IP_TIMEOUT = 10.0
 SLOT_BASE = 1000  # UidPool numbers from here
 SPARES = 2  # namespaces of each kind (with a link, without) kept ready
+# what one sandbox may cost the host's connection tracking (its table is shared by everything
+# in the host's namespace, the API server and the database included): new flows per second,
+# flows tracked at once, and DNS packets per second; more are dropped before they are tracked
+NEW_FLOWS_PER_S, NEW_FLOWS_BURST = 200, 400
+TRACKED_FLOWS = 4096
+DNS_PACKETS_PER_S, DNS_PACKETS_BURST = 500, 1000
 SPARE_RETRY = 5.0  # after a spare could not be made
 SPARE_DELAY = 0.5  # a spare is made this long after one was taken: not during that start
 
@@ -83,6 +92,9 @@ def table_name(scope: str) -> str:
 def ruleset(table: str, prefix: str, *, gate_port: int, dns_port: int) -> str:
     """This worker's nftables table (see the module docstring); replaces any older one."""
     ours = f'iifname "{prefix}*"'
+    new_flows = f"limit rate over {NEW_FLOWS_PER_S}/second burst {NEW_FLOWS_BURST} packets"
+    dns_packets = f"limit rate over {DNS_PACKETS_PER_S}/second burst {DNS_PACKETS_BURST} packets"
+    tracked = f"ct count over {TRACKED_FLOWS}"
     return f"""
 table inet {table}
 delete table inet {table}
@@ -91,6 +103,12 @@ table inet {table} {{
     type filter hook prerouting priority raw; policy accept;
     {ours} fib saddr . iif oif missing drop
     {ours} meta nfproto ipv6 drop
+  }}
+  chain flows {{
+    type filter hook prerouting priority mangle; policy accept;
+    {ours} ct state new meter {table}_rate {{ ip saddr {new_flows} }} counter drop
+    {ours} ct state new meter {table}_count {{ ip saddr {tracked} }} counter drop
+    {ours} udp dport 53 meter {table}_dns {{ ip saddr {dns_packets} }} counter drop
   }}
   chain steer {{
     type nat hook prerouting priority dstnat; policy accept;

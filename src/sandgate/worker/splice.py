@@ -19,12 +19,25 @@ from collections.abc import Callable
 from typing import Any
 
 CHUNK = 1 << 20  # at most this much per splice
+LINGER = 60.0  # once one direction has ended, the other is cut after this long silent
+CHECK = 5.0  # a wait looks at the clock this often
 F_SETPIPE_SZ = 1031  # <linux/fcntl.h>
 FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
 
 
-async def _ready(add: Callable[..., Any], remove: Callable[[int], Any], fd: int) -> None:
-    """Wait until `fd` is readable (add_reader) or writable (add_writer)."""
+class _Quiet:
+    """How long a direction may wait in silence: forever, until the other one has ended."""
+
+    def __init__(self) -> None:
+        self.linger: float | None = None
+
+
+async def _ready(
+    add: Callable[..., Any], remove: Callable[[int], Any], fd: int, quiet: _Quiet
+) -> None:
+    """Wait until `fd` is readable (add_reader) or writable (add_writer); TimeoutError once
+    `quiet.linger` is set and the wait has lasted that long (a half-closed connection whose
+    other side never finishes, say a server that ignores the client's FIN)."""
     waiter = asyncio.get_running_loop().create_future()
 
     def wake() -> None:
@@ -33,13 +46,22 @@ async def _ready(add: Callable[..., Any], remove: Callable[[int], Any], fd: int)
 
     add(fd, wake)
     try:
-        await waiter
+        waited = 0.0
+        while True:
+            done, _ = await asyncio.wait({waiter}, timeout=CHECK)
+            if done:
+                return
+            waited += CHECK
+            if quiet.linger is not None and waited >= quiet.linger:
+                raise TimeoutError
     finally:
         remove(fd)
+        waiter.cancel()
 
 
-async def pump(src: socket.socket, dst: socket.socket) -> None:
+async def pump(src: socket.socket, dst: socket.socket, quiet: _Quiet | None = None) -> None:
     """Move everything `src` sends to `dst`, then half-close `dst` (its peer sees EOF)."""
+    quiet = quiet or _Quiet()
     loop = asyncio.get_running_loop()
     read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     with contextlib.suppress(OSError):
@@ -49,7 +71,7 @@ async def pump(src: socket.socket, dst: socket.socket) -> None:
             try:
                 moved = os.splice(src.fileno(), write_end, CHUNK, flags=FLAGS)
             except BlockingIOError:
-                await _ready(loop.add_reader, loop.remove_reader, src.fileno())
+                await _ready(loop.add_reader, loop.remove_reader, src.fileno(), quiet)
                 continue
             if moved == 0:
                 break
@@ -57,7 +79,7 @@ async def pump(src: socket.socket, dst: socket.socket) -> None:
                 try:
                     moved -= os.splice(read_end, dst.fileno(), moved, flags=FLAGS)
                 except BlockingIOError:
-                    await _ready(loop.add_writer, loop.remove_writer, dst.fileno())
+                    await _ready(loop.add_writer, loop.remove_writer, dst.fileno(), quiet)
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
     finally:
@@ -65,15 +87,19 @@ async def pump(src: socket.socket, dst: socket.socket) -> None:
         os.close(write_end)
 
 
-async def relay(a: socket.socket, b: socket.socket) -> None:
-    """Both directions until each side has closed; a failure in one ends both."""
+async def relay(a: socket.socket, b: socket.socket, *, linger: float = LINGER) -> None:
+    """Both directions until each side has closed; a failure in one ends both, and once one
+    has ended the other is cut when silent for `linger` seconds."""
+    quiet = _Quiet()
 
     async def one_way(src: socket.socket, dst: socket.socket) -> None:
         try:
-            await pump(src, dst)
-        except OSError:  # a reset, a broken pipe: the other direction ends too
+            await pump(src, dst, quiet)
+        except (OSError, TimeoutError):  # a reset, a broken pipe: the other one ends too
             for sock in (a, b):
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            quiet.linger = linger
 
     await asyncio.gather(one_way(a, b), one_way(b, a))

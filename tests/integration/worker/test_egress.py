@@ -6,11 +6,13 @@ answers one JSON line: what a program inside the sandbox would see."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -40,7 +42,7 @@ pytestmark = [
 T = TypeVar("T")
 
 PROBE = r"""
-import errno, json, socket, ssl, struct, sys
+import errno, json, socket, ssl, struct, sys, time
 
 CA = sys.argv[1]
 
@@ -127,6 +129,71 @@ def hold(host, port, n):
         s.close()
     return out
 
+def dns_hold(server, n, wait):
+    # n silent DNS-over-TCP connections; after `wait` s, how many the gate has closed.
+    held = [socket.create_connection((server, 53), timeout=6) for _ in range(n)]
+    time.sleep(wait)
+    closed = 0
+    for s in held:
+        s.settimeout(0.5)
+        try:
+            closed += s.recv(1) == b""
+        except socket.timeout:
+            pass
+        except ConnectionResetError:
+            closed += 1
+        s.close()
+    return closed
+
+def hold_then_wait(host, port, seconds):
+    # Connect, read the banner, then wait; whether the gate cut the connection meanwhile.
+    s = socket.create_connection((host, port), timeout=6)
+    s.recv(100)
+    s.settimeout(seconds)
+    try:
+        return "cut" if s.recv(100) == b"" else "data"
+    except socket.timeout:
+        return "open"
+    except ConnectionResetError:
+        return "cut"
+
+def send_and_close(host, port):
+    s = socket.create_connection((host, port), timeout=6)
+    s.sendall(b"x")
+    s.close()
+    return "sent"
+
+def udp_burst(n):
+    for i in range(n):
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        u.sendto(b"\x12\x34\x81\x00" + b"\x00" * 8, ("198.51.100.9", 53))  # a "response"
+        u.close()
+    return n
+
+def split_hello(host, name):
+    # A ClientHello for `name` cut into two TLS records: does a server answer it?
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=name)
+    try:
+        tls.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    hello = outgoing.read()
+    body = hello[5:]
+    first, second = body[:3], body[3:]
+    data = (b"\x16\x03\x01" + len(first).to_bytes(2, "big") + first
+            + b"\x16\x03\x01" + len(second).to_bytes(2, "big") + second)
+    s = socket.create_connection((host, 443), timeout=6)
+    s.sendall(data)
+    try:
+        got = s.recv(5)
+    except ConnectionResetError:
+        got = b""
+    return "server hello" if got[:1] == b"\x16" else "cut"
+
 def devs():
     return sorted(l.split(":")[0].strip() for l in open("/proc/net/dev").readlines()[2:])
 
@@ -134,7 +201,8 @@ def raw(host, port, data=""):
     return talk(host, port, data.encode())
 
 OPS = {"get": get, "talk": raw, "resolve": resolve, "raw_dns": raw_dns, "v6": v6, "devs": devs,
-       "hold": hold}
+       "hold": hold, "dns_hold": dns_hold, "hold_then_wait": hold_then_wait,
+       "send_and_close": send_and_close, "udp_burst": udp_burst, "split_hello": split_hello}
 
 for line in sys.stdin:
     cmd = json.loads(line)
@@ -431,3 +499,122 @@ def test_a_sandbox_holds_at_most_its_share_of_the_gates_connections(
             loop.run(rt.stop(probe.sandbox))
     finally:
         loop.run(rt.close())
+
+
+@pytest.fixture
+def strict(env: Env, loop: Loop, internet: Internet) -> Iterator[BwrapRuntime]:
+    """A gate with small bounds, so the tests reach them quickly."""
+    config = EgressConfig(
+        permit=(internet.subnet,),
+        resolver=internet.resolver,
+        max_connections=3,
+        half_closed_linger=1.0,
+        dns_tcp_idle=1.0,
+    )
+    rt = other_runtime(env, egress=config)
+    loop.run(rt.prepare())
+    yield rt
+    loop.run(rt.close())
+
+
+def test_dns_over_tcp_counts_against_the_cap_and_idles_out(
+    loop: Loop, strict: BwrapRuntime, internet: Internet
+) -> None:
+    probe = start_probe(loop, strict, internet, True)
+    try:
+        resolver = internet.addresses["allowed.test"]
+        assert probe("dns_hold", server=resolver, n=4, wait=3) == 4  # 3 idled out, 1 refused
+        assert (
+            probe("hold", host=internet.addresses["tcp.test"], port=7000, n=3) == ["tcp-host"] * 3
+        )
+    finally:
+        loop.run(strict.stop(probe.sandbox))
+
+
+def test_connections_are_cut_when_the_network_goes_and_when_half_closed_and_silent(
+    loop: Loop, strict: BwrapRuntime, internet: Internet, tmp_path: Path
+) -> None:
+    # a server that never closes nor reads: the sandbox's FIN gets no answer
+    sink = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            internet.netns,
+            sys.executable,
+            "-c",
+            "import socket, time\n"
+            "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            f"s.bind(({internet.addresses['tcp.test']!r}, 7001)); s.listen(); held = []\n"
+            "while True: held.append(s.accept())\n",
+        ]
+    )
+    try:
+        probe = start_probe(loop, strict, internet, True)
+        try:
+            for _ in range(3):
+                assert probe("send_and_close", host=internet.addresses["tcp.test"], port=7001)
+            wait_for(lambda: probe.state()["open"] == 0, what="half-closed connections cut")
+            # a connection open when the network is turned off is cut, not left behind
+            tcp = internet.addresses["tcp.test"]
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(probe, "hold_then_wait", host=tcp, port=7000, seconds=20)
+                wait_for(lambda: probe.state()["open"] == 1, what="the connection through the gate")
+                probe.set_network(False)
+                assert probe.state()["open"] == 0
+                assert waiting.result(timeout=30) == "cut"
+        finally:
+            loop.run(strict.stop(probe.sandbox))
+    finally:
+        sink.kill()
+        sink.wait()
+
+
+def test_what_a_hostile_sandbox_sends_the_dns_neither_crashes_nor_floods(
+    loop: Loop, strict: BwrapRuntime, internet: Internet
+) -> None:
+    errors: list[dict[str, Any]] = []
+    loop.loop.call_soon_threadsafe(
+        loop.loop.set_exception_handler, lambda _loop, context: errors.append(context)
+    )
+    probe = start_probe(loop, strict, internet, True)
+    try:
+        assert probe("udp_burst", n=2000) == 2000
+        assert probe("resolve", name="allowed.test") == [internet.addresses["allowed.test"]]
+        assert errors == []
+        assert strict.net is not None
+        chain = subprocess.run(
+            ["nft", "list", "chain", "inet", strict.net.table, "flows"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        dropped = [int(part.split()[0]) for part in chain.split("counter packets ")[1:]]
+        assert dropped[0] > 0, chain  # new flows over the rate: dropped before being tracked
+    finally:
+        loop.loop.call_soon_threadsafe(loop.loop.set_exception_handler, None)
+        loop.run(strict.stop(probe.sandbox))
+
+
+def test_a_blocklisted_name_is_not_reached_by_cutting_its_client_hello(
+    loop: Loop, gated: BwrapRuntime, internet: Internet, probes: list[Probe]
+) -> None:
+    probe = start_probe(loop, gated, internet, {"deny_out": ["denied.test"]})
+    probes.append(probe)
+    denied = internet.addresses["denied.test"]
+    assert probe("split_hello", host=denied, name="allowed.test") == "server hello"
+    assert probe("split_hello", host=denied, name="denied.test") == "cut"
+    unreadable = "GET / HTTP/1.1\r\nHost: denied.test:80:\r\n\r\n"
+    assert probe("talk", host=denied, port=80, data=unreadable) == "cut"
+    reasons = " ".join(r["reason"] for r in probe.state()["recent_refusals"])
+    assert "denied.test is in deny_out" in reasons
+    assert "cannot be read" in reasons
+
+
+def wait_for(predicate: Any, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")

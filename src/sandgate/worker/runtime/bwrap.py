@@ -310,6 +310,8 @@ class BwrapRuntime:
             resolver=config.upstream(),
             sandbox_subnet=net.subnet,
             max_connections=config.max_connections,
+            half_closed_linger=config.half_closed_linger,
+            dns_tcp_idle=config.dns_tcp_idle,
         )
         await gate.start()
         try:
@@ -339,7 +341,7 @@ class BwrapRuntime:
                 await self.net.connect(net)
                 self.gate.link(name, net.sandbox_ip)
             elif not policy.enabled and net.connected:
-                self.gate.link(name, "")
+                await self.gate.unlink(name)
                 await self.net.disconnect(net)
             sandbox.private["policy"] = policy
 
