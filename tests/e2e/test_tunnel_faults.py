@@ -356,9 +356,19 @@ def worker_leftovers(dep: Deployment) -> dict[str, object]:
     ]
     if cgroups:
         found["cgroups"] = [str(p) for p in cgroups]
-    leases = _flocks_held_by(dep.worker.pid) - 1  # minus the state dir's worker.lock
+    leases = _open_under(dep.worker.pid, "/run/sandgate/uids/")
     if leases:
         found["uid_leases"] = leases
+    # the worker keeps two network namespaces of each kind ready (worker/netns.py SPARES),
+    # and a link slot for each of the two with a link: nothing beyond those
+    slots = _open_under(dep.worker.pid, "/run/sandgate/netslots/")
+    if len(slots) > 2:
+        found["net_slots"] = slots
+    scope = _scope_of(state)
+    listed = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
+    namespaces = [n for n in listed if n.startswith(f"sandgate-{scope}-")]
+    if len(namespaces) > 4:
+        found["namespaces"] = namespaces
     children = _descendants(dep.worker.pid)
     if children:
         found["processes"] = children
@@ -371,13 +381,17 @@ def _scope_of(state_dir: Path) -> str:
     return runtime_scope("w1", state_dir)
 
 
-def _flocks_held_by(pid: int) -> int:
-    count = 0
-    for line in Path("/proc/locks").read_text().splitlines():
-        parts = line.split()
-        if len(parts) > 4 and parts[1] == "FLOCK" and parts[4] == str(pid):
-            count += 1
-    return count
+def _open_under(pid: int, directory: str) -> list[str]:
+    """The files under `directory` process `pid` holds open (a lease is an open lock file)."""
+    held = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith(directory):
+            held.append(target)
+    return held
 
 
 def _descendants(pid: int) -> list[int]:

@@ -107,27 +107,6 @@ class Toolbox:
         self.sandboxes = sandboxes
         self.workers = workers
 
-    async def _call(
-        self,
-        tenant: TenantId,
-        name: str,
-        op: str,
-        fields: Mapping[str, Any] | None = None,
-        payload: bytes = b"",
-        *,
-        seconds: float = DEFAULT_CALL_SECONDS,
-    ) -> tuple[Header, bytes]:
-        """One agent call in the tenant's running sandbox; `seconds`: how long it may run."""
-        sandbox = await self.sandboxes.running(tenant, name)
-        relay = {
-            "sandbox": sandbox.name,
-            "call": {"op": op, **(fields or {})},
-            "timeout_s": seconds,
-        }
-        return await self.workers.request(
-            sandbox.worker, "agent", relay, payload, wait=seconds + RELAY_GRACE
-        )
-
     async def agent_call(
         self,
         tenant: TenantId,
@@ -138,8 +117,17 @@ class Toolbox:
         *,
         seconds: float = DEFAULT_CALL_SECONDS,
     ) -> tuple[Header, bytes]:
-        """`_call` for the seam's other services (control/ports.py), which parse the reply."""
-        return await self._call(tenant, name, op, fields, payload, seconds=seconds)
+        """One agent call in the tenant's running sandbox; `seconds`: how long it may run.
+        The seam's other services (control/ports.py) call it too, and parse the reply."""
+        sandbox = await self.sandboxes.running(tenant, name)
+        relay = {
+            "sandbox": sandbox.name,
+            "call": {"op": op, **(fields or {})},
+            "timeout_s": seconds,
+        }
+        return await self.workers.request(
+            sandbox.worker, "agent", relay, payload, wait=seconds + RELAY_GRACE
+        )
 
     # -- exec ------------------------------------------------------------------------------
     async def execute(
@@ -156,7 +144,7 @@ class Toolbox:
         """Run a program to its end; the program travels as the frame's payload (no JSON
         escaping, no header size limit), stdout then stderr come back as the answer's."""
         fields = {"language": language, "timeout": time_limit, "env": dict(env or {}), "cwd": cwd}
-        raw, payload = await self._call(
+        raw, payload = await self.agent_call(
             tenant, name, "exec", fields, code.encode(), seconds=time_limit
         )
         reply = parse(ExecReply, raw)
@@ -190,7 +178,7 @@ class Toolbox:
         any failure the partial file is discarded."""
         sandbox = await self.sandboxes.running(tenant, name)
         _refuse_past_the_quota(sandbox, declared_size)
-        raw, _ = await self._call(tenant, name, "open_write", {"path": path})
+        raw, _ = await self.agent_call(tenant, name, "open_write", {"path": path})
         handle = parse(HandleReply, raw).handle
         committed = False
         try:
@@ -206,7 +194,7 @@ class Toolbox:
                     del pending[:chunk_bytes]
             if pending:
                 await self._write(tenant, name, handle, bytes(pending))
-            raw, _ = await self._call(
+            raw, _ = await self.agent_call(
                 tenant, name, "close_write", {"handle": handle, "commit": True}
             )
             committed = True
@@ -216,17 +204,17 @@ class Toolbox:
                 await asyncio.shield(self._discard(tenant, name, handle))
 
     async def _write(self, tenant: TenantId, name: str, handle: int | str, data: bytes) -> None:
-        await self._call(tenant, name, "write", {"handle": handle}, data)
+        await self.agent_call(tenant, name, "write", {"handle": handle}, data)
 
     async def _discard(self, tenant: TenantId, name: str, handle: int | str) -> None:
         with contextlib.suppress(SandgateError):  # the agent closes idle handles itself
-            await self._call(tenant, name, "close_write", {"handle": handle, "commit": False})
+            await self.agent_call(tenant, name, "close_write", {"handle": handle, "commit": False})
 
     async def download(
         self, tenant: TenantId, name: str, path: str, *, chunk_bytes: int
     ) -> Download:
         """Open a file for reading (its errors come before any byte) and stream it."""
-        raw, _ = await self._call(tenant, name, "open_read", {"path": path})
+        raw, _ = await self.agent_call(tenant, name, "open_read", {"path": path})
         opened = parse(OpenReadReply, raw)
         handle, size = opened.handle, opened.size
 
@@ -235,23 +223,25 @@ class Toolbox:
             try:
                 while sent < size:
                     fields = {"handle": handle, "length": min(chunk_bytes, size - sent)}
-                    _, data = await self._call(tenant, name, "read", fields)
+                    _, data = await self.agent_call(tenant, name, "read", fields)
                     if not data or len(data) > size - sent:
                         raise WorkerError(f"{path} changed size while it was being downloaded")
                     sent += len(data)
                     yield data
             finally:
                 with contextlib.suppress(SandgateError):
-                    await asyncio.shield(self._call(tenant, name, "close_read", {"handle": handle}))
+                    await asyncio.shield(
+                        self.agent_call(tenant, name, "close_read", {"handle": handle})
+                    )
 
         return Download(size, chunks())
 
     async def stat(self, tenant: TenantId, name: str, path: str) -> Entry:
-        raw, _ = await self._call(tenant, name, "stat", {"path": path})
+        raw, _ = await self.agent_call(tenant, name, "stat", {"path": path})
         return parse(EntryReply, raw).entry
 
     async def list_dir(self, tenant: TenantId, name: str, path: str) -> list[Entry]:
-        raw, _ = await self._call(tenant, name, "list", {"path": path})
+        raw, _ = await self.agent_call(tenant, name, "list", {"path": path})
         return parse(EntriesReply, raw).entries
 
     async def mkdir(
@@ -261,18 +251,18 @@ class Toolbox:
         fields: dict[str, Any] = {"path": path, "parents": parents}
         if exist_ok is not None:
             fields["exist_ok"] = exist_ok
-        raw, _ = await self._call(tenant, name, "mkdir", fields)
+        raw, _ = await self.agent_call(tenant, name, "mkdir", fields)
         return parse(EntryReply, raw).entry
 
     async def move(
         self, tenant: TenantId, name: str, source: str, destination: str, *, overwrite: bool
     ) -> Entry:
         fields = {"src": source, "dst": destination, "overwrite": overwrite}
-        raw, _ = await self._call(tenant, name, "move", fields)
+        raw, _ = await self.agent_call(tenant, name, "move", fields)
         return parse(EntryReply, raw).entry
 
     async def remove(self, tenant: TenantId, name: str, path: str, *, recursive: bool) -> None:
-        await self._call(tenant, name, "remove", {"path": path, "recursive": recursive})
+        await self.agent_call(tenant, name, "remove", {"path": path, "recursive": recursive})
 
     # -- processes -------------------------------------------------------------------------
     async def start_process(
@@ -289,7 +279,7 @@ class Toolbox:
         """`command`: a shell command line, or a program and its arguments (run as given).
         `stdin=False`: the process reads end-of-file at once."""
         fields = _start_fields(command, cwd=cwd, env=env, time_limit=time_limit, stdin=stdin)
-        raw, _ = await self._call(tenant, name, "proc_start", fields)
+        raw, _ = await self.agent_call(tenant, name, "proc_start", fields)
         return parse(PidReply, raw).pid
 
     async def start_program(
@@ -305,7 +295,7 @@ class Toolbox:
         """Start one of the programs deployed with the agent (`sandgate.agent.PROGRAMS`) with
         the sandbox's Python, tagged (at most one running process has a tag)."""
         fields: dict[str, Any] = {"program": program, "argv": list(args), "cwd": cwd, "tag": tag}
-        raw, _ = await self._call(tenant, name, "proc_start", fields)
+        raw, _ = await self.agent_call(tenant, name, "proc_start", fields)
         return parse(PidReply, raw).pid
 
     async def start_process_reading(
@@ -327,14 +317,14 @@ class Toolbox:
         `process_output` from the page's `next_offset`."""
         fields = _start_fields(argv, cwd=cwd, env=env, time_limit=time_limit, stdin=stdin)
         fields |= {"wait": wait, "linger": linger}
-        raw, payload = await self._call(
+        raw, payload = await self.agent_call(
             tenant, name, "proc_start", fields, seconds=wait + linger + RELAY_GRACE
         )
         reply = parse(StartedReply, raw)
         return reply.pid, _page(reply.output, payload)
 
     async def processes(self, tenant: TenantId, name: str) -> list[Process]:
-        raw, _ = await self._call(tenant, name, "proc_list")
+        raw, _ = await self.agent_call(tenant, name, "proc_list")
         return parse(ProcessesReply, raw).processes
 
     async def process(self, tenant: TenantId, name: str, pid: int) -> Process:
@@ -354,7 +344,7 @@ class Toolbox:
         self, tenant: TenantId, name: str, pid: int, data: bytes, *, close: bool
     ) -> int:
         fields = {"pid": pid, "close": close}
-        raw, _ = await self._call(tenant, name, "proc_stdin", fields, data)
+        raw, _ = await self.agent_call(tenant, name, "proc_stdin", fields, data)
         return parse(WrittenReply, raw).written
 
     async def write_stdin_tagged(
@@ -363,12 +353,14 @@ class Toolbox:
         """Write to the stdin of the running process with `tag` (`proc_start`'s): its pid,
         and the offset its output had reached just before the write (what it answers to
         this input comes after it). One call, where a pid would need a lookup first."""
-        raw, _ = await self._call(tenant, name, "proc_stdin", {"tag": tag, "close": False}, data)
+        raw, _ = await self.agent_call(
+            tenant, name, "proc_stdin", {"tag": tag, "close": False}, data
+        )
         reply = parse(TaggedWriteReply, raw)
         return reply.pid, reply.output_end
 
     async def signal_process(self, tenant: TenantId, name: str, pid: int, signal: str) -> None:
-        await self._call(tenant, name, "proc_signal", {"pid": pid, "signal": signal})
+        await self.agent_call(tenant, name, "proc_signal", {"pid": pid, "signal": signal})
 
     # -- terminals -------------------------------------------------------------------------
     async def open_terminal(
@@ -393,7 +385,7 @@ class Toolbox:
             fields["cwd"] = cwd
         if env:
             fields["env"] = dict(env)
-        raw, _ = await self._call(tenant, name, "pty_open", fields)
+        raw, _ = await self.agent_call(tenant, name, "pty_open", fields)
         return parse(PidReply, raw).pid
 
     async def terminal_output(
@@ -402,15 +394,15 @@ class Toolbox:
         return await self._output(tenant, name, "pty_read", pid, offset, wait)
 
     async def write_terminal(self, tenant: TenantId, name: str, pid: int, data: bytes) -> None:
-        await self._call(tenant, name, "pty_write", {"pid": pid}, data)
+        await self.agent_call(tenant, name, "pty_write", {"pid": pid}, data)
 
     async def resize_terminal(
         self, tenant: TenantId, name: str, pid: int, *, cols: int, rows: int
     ) -> None:
-        await self._call(tenant, name, "pty_resize", {"pid": pid, "cols": cols, "rows": rows})
+        await self.agent_call(tenant, name, "pty_resize", {"pid": pid, "cols": cols, "rows": rows})
 
     async def close_terminal(self, tenant: TenantId, name: str, pid: int) -> None:
-        await self._call(tenant, name, "pty_close", {"pid": pid})
+        await self.agent_call(tenant, name, "pty_close", {"pid": pid})
 
     async def _output(
         self,
@@ -426,7 +418,7 @@ class Toolbox:
         if linger:
             fields["linger"] = linger
         seconds = wait + linger + RELAY_GRACE
-        raw, payload = await self._call(tenant, name, op, fields, seconds=seconds)
+        raw, payload = await self.agent_call(tenant, name, op, fields, seconds=seconds)
         return _page(parse(OutputReply, raw), payload)
 
     # -- watches ---------------------------------------------------------------------------
@@ -434,7 +426,7 @@ class Toolbox:
         """Watch a directory (and, `recursive`, every directory below it, also those created
         later); the watch's id. Events are kept from now on: read them with `watch_read`."""
         fields = {"path": path, "recursive": recursive}
-        raw, _ = await self._call(tenant, name, "watch_start", fields)
+        raw, _ = await self.agent_call(tenant, name, "watch_start", fields)
         return parse(WatchStartReply, raw).watch
 
     async def watch_read(
@@ -445,7 +437,9 @@ class Toolbox:
         fields: dict[str, Any] = {"watch": watch_id, "wait": wait}
         if offset is not None:
             fields["offset"] = offset
-        raw, _ = await self._call(tenant, name, "watch_read", fields, seconds=wait + RELAY_GRACE)
+        raw, _ = await self.agent_call(
+            tenant, name, "watch_read", fields, seconds=wait + RELAY_GRACE
+        )
         reply = parse(WatchReadReply, raw)
         return WatchPage(
             reply.events,
@@ -457,7 +451,7 @@ class Toolbox:
         )
 
     async def watch_stop(self, tenant: TenantId, name: str, watch_id: str) -> None:
-        await self._call(tenant, name, "watch_stop", {"watch": watch_id})
+        await self.agent_call(tenant, name, "watch_stop", {"watch": watch_id})
 
     # -- metrics ---------------------------------------------------------------------------
     async def export_root(self, tenant: TenantId, name: str) -> ExportedLayer:

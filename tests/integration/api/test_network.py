@@ -246,42 +246,30 @@ def test_sdk_and_cli(gated: Deployment, internet: Internet) -> None:
             )
             ran = box.run(code, language="python")
             assert "cut" in ran.stdout or "ConnectionResetError" in ran.stderr, denied
-            cli = subprocess.run(
-                [
-                    str(Path(sys.executable).parent / "sandgate"),
-                    "sandbox",
-                    "network",
-                    box.name,
-                    "--url",
-                    gated.url,
-                    "--api-key",
-                    gated.keys["alpha"],
-                ],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
+            cli = sandgate_cli(gated, "sandbox", "network", box.name)
             assert cli.returncode == 0, cli.stderr
             assert f"deny_out: {internet.addresses['denied.test']}" in cli.stdout
             assert "1 refused" in cli.stdout
             assert f"{internet.addresses['denied.test']}:80: " in cli.stdout
-            off = subprocess.run(
-                [
-                    str(Path(sys.executable).parent / "sandgate"),
-                    "sandbox",
-                    "network",
-                    box.name,
-                    "--off",
-                    "--url",
-                    gated.url,
-                    "--api-key",
-                    gated.keys["alpha"],
-                ],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
+            off = sandgate_cli(gated, "sandbox", "network", box.name, "--off")
             assert "network: off (loopback only)" in off.stdout, off.stdout + off.stderr
             assert client.sandboxes.network_state(box.name).network is False
         finally:
             box.delete()
+
+
+def sandgate_cli(dep: Deployment, *args: str) -> subprocess.CompletedProcess[str]:
+    """`sandgate ARGS --url … --api-key …` as alpha."""
+    return subprocess.run(
+        [
+            str(Path(sys.executable).parent / "sandgate"),
+            *args,
+            "--url",
+            dep.url,
+            "--api-key",
+            dep.keys["alpha"],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
