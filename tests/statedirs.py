@@ -8,17 +8,32 @@ remove their mount points, and every one keeps a loop device attached.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 
 from sandgate.worker import disk
+from sandgate.worker.main import runtime_scope
+from sandgate.worker.netns import NetHost
 
 TEST_ROOTS = ("/var/lib/sandgate-test*", "/var/lib/sandgate-up*")
 
 
 def remove_state(path: Path) -> None:
     disk.unmount_leftovers(path)
+    remove_network_leftovers(path)
     shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_network_leftovers(path: Path) -> None:
+    """The network namespaces, links and nftables table of every worker whose state dir is
+    below `path` (a SIGKILLed worker leaves them, and a test's worker never starts again)."""
+    if not path.is_dir() or shutil.which("ip") is None or shutil.which("nft") is None:
+        return
+    for worker_dir in path.iterdir():
+        if worker_dir.is_dir():
+            net = NetHost(runtime_scope(worker_dir.name, worker_dir))
+            asyncio.run(net.close())
 
 
 def unmount_test_leftovers() -> None:

@@ -239,6 +239,8 @@ class NetHost:
         for kind in self.spares.values():
             while kind:
                 await self.remove(kind.pop())
+        # and whatever a start or a spare cut short by cancellation made without a record
+        await self.remove_leftovers()
         await _run(self._nft, "delete", "table", "inet", self.table, check=False)
 
     async def take(self, *, connected: bool) -> SandboxNet:

@@ -25,7 +25,7 @@ import pytest
 from sandgate.cli import launch
 from tests import logrecords
 from tests.keys import create_keys
-from tests.statedirs import remove_state
+from tests.statedirs import remove_network_leftovers, remove_state
 
 RUNTIME = os.environ.get("SANDGATE_TEST_RUNTIME", "bwrap")
 
@@ -134,6 +134,7 @@ class Deployment:
 
     def stop(self) -> None:
         self.stop_worker()
+        remove_network_leftovers(self.state_dir)  # of a worker SIGKILLed and not restarted
         if self.server is not None and self.server.poll() is None:
             self.server.send_signal(signal.SIGTERM)
             try:
