@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from sandgate.core.caps import ResourceCaps
-from sandgate.core.egress_policy import DEFAULT_DENY
+from sandgate.core.egress_policy import DEFAULT_DENY, DEFAULT_SANDBOX_SUBNET
 
 
 class _Frozen(BaseModel):
@@ -87,7 +87,7 @@ class WorkerSettings(_Frozen):
     egress_deny: tuple[str, ...] = DEFAULT_DENY
     egress_permit: tuple[str, ...] = ()
     egress_resolver: str = ""
-    sandbox_subnet: str = "10.211.0.0/16"
+    sandbox_subnet: str = DEFAULT_SANDBOX_SUBNET
     # the share of the host's fs.file-max one sandbox at its limits may hold (worker.fds)
     fd_share: float = Field(default=0.1, gt=0, le=1)
     # the sandboxes' memory limits (disk quotas) together may be this many times what the

@@ -13,6 +13,7 @@ import typer
 
 from sandgate.cli import logs
 from sandgate.cli.common import DbOpt, LogOpt, _prepare_db, _runner
+from sandgate.core.egress_policy import DEFAULT_DENY, DEFAULT_SANDBOX_SUBNET
 
 
 def _refuse_second_sqlite_instance(db: str) -> None:
@@ -319,7 +320,7 @@ def worker(
             envvar="SANDGATE_SANDBOX_SUBNET",
             help="IPv4 range the sandboxes' links are numbered from (a /30 each)",
         ),
-    ] = "10.211.0.0/16",
+    ] = DEFAULT_SANDBOX_SUBNET,
     fd_share: Annotated[
         float,
         typer.Option(
@@ -363,7 +364,7 @@ def worker(
     """Run a worker: dial the control plane and host sandboxes."""
     from sandgate import faults
     from sandgate.config import WorkerSettings
-    from sandgate.core.egress_policy import DEFAULT_DENY, OperatorBounds, PolicyError
+    from sandgate.core.egress_policy import OperatorBounds, PolicyError
     from sandgate.worker.main import run_worker
 
     try:

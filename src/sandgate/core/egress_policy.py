@@ -53,6 +53,9 @@ DEFAULT_DENY: tuple[str, ...] = (
 
 IPv4Net = ipaddress.IPv4Network
 
+# what a worker numbers its sandboxes' links from (worker/netns.py): 16,384 /30s
+DEFAULT_SANDBOX_SUBNET = "10.211.0.0/16"
+
 
 class PolicyError(InvalidRequestError):
     code = "invalid_network_policy"

@@ -30,7 +30,8 @@ import socket
 import struct
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
 import dns.asyncquery
@@ -46,6 +47,7 @@ import dns.resolver
 from sandgate.core import sniff
 from sandgate.core.egress_policy import (
     DEFAULT_DENY,
+    DEFAULT_SANDBOX_SUBNET,
     NO_NETWORK,
     NetworkPolicy,
     OperatorBounds,
@@ -82,7 +84,7 @@ class EgressConfig:
     deny: tuple[str, ...] = DEFAULT_DENY  # CIDRs no sandbox reaches...
     permit: tuple[str, ...] = ()  # ...except these
     resolver: str = ""  # host[:port] the gate asks; "" = the host's first nameserver
-    subnet: str = "10.211.0.0/16"  # the sandboxes' links (netns.py)
+    subnet: str = DEFAULT_SANDBOX_SUBNET  # the sandboxes' links (netns.py)
     max_connections: int = MAX_CONNECTIONS  # open at once per sandbox; more are refused
     half_closed_linger: float = splice.LINGER  # a half-closed connection silent this long goes
     dns_tcp_idle: float = DNS_TCP_IDLE  # a DNS-over-TCP connection silent this long goes
@@ -96,9 +98,6 @@ class Refusal:
     at: float
     target: str
     reason: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"at": self.at, "target": self.target, "reason": self.reason}
 
 
 @dataclass
@@ -119,13 +118,26 @@ class GatedSandbox:
     _unlogged: int = 0
 
     def stats(self) -> dict[str, Any]:
+        """Its policy and counters, as `GET …/network` shows them."""
         return {
+            "network": self.policy.to_json(),
             "allowed": self.allowed,
             "open": self.open,
             "refused": self.refused,
             "dns_refused": self.dns_refused,
-            "recent_refusals": [r.as_dict() for r in self.recent],
+            "recent_refusals": [asdict(r) for r in self.recent],
         }
+
+    @contextlib.contextmanager
+    def holding(self, task: asyncio.Task[None]) -> Iterator[None]:
+        """One of its open connections while `task` serves it (cancelled with its link)."""
+        self.open += 1
+        self.tasks.add(task)
+        try:
+            yield
+        finally:
+            self.open -= 1
+            self.tasks.discard(task)
 
     def note_refusal(self, target: str, reason: str, *, dns_query: bool = False) -> None:
         now = time.time()
@@ -157,15 +169,12 @@ def _parse_host_port(value: str, default_port: int) -> tuple[str, int]:
 
 
 def system_resolver() -> str:
-    """The host's first nameserver (/etc/resolv.conf), the gate's default upstream."""
+    """The host's first nameserver (/etc/resolv.conf, as dnspython reads it), the gate's
+    default upstream; 127.0.0.1 when it names none."""
     try:
-        for line in open("/etc/resolv.conf", encoding="utf-8"):
-            fields = line.split()
-            if len(fields) >= 2 and fields[0] == "nameserver":
-                return fields[1]
-    except OSError:
-        pass
-    return "127.0.0.1"
+        return str(dns.resolver.Resolver().nameservers[0])
+    except (dns.resolver.NoResolverConfiguration, OSError, IndexError):
+        return "127.0.0.1"
 
 
 def is_host_address(address: ipaddress.IPv4Address) -> bool:
@@ -179,29 +188,18 @@ def is_host_address(address: ipaddress.IPv4Address) -> bool:
 
 
 class EgressGate:
-    def __init__(
-        self,
-        *,
-        bounds: OperatorBounds,
-        resolver: str,
-        sandbox_subnet: ipaddress.IPv4Network,
-        max_connections: int = MAX_CONNECTIONS,
-        half_closed_linger: float = splice.LINGER,
-        dns_tcp_idle: float = DNS_TCP_IDLE,
-    ) -> None:
-        self.bounds = bounds
-        self.upstream = _parse_host_port(resolver, 53)
-        self.sandbox_subnet = sandbox_subnet
-        self.max_connections = max_connections
-        self.half_closed_linger = half_closed_linger
-        self.dns_tcp_idle = dns_tcp_idle
+    def __init__(self, config: EgressConfig) -> None:
+        self.config = config
+        self.bounds = OperatorBounds.of(config.deny, config.permit)
+        self.upstream = _parse_host_port(config.upstream(), 53)
+        self.sandbox_subnet = ipaddress.IPv4Network(config.subnet)
         self._resolver = dns.asyncresolver.Resolver(configure=False)
         self._resolver.nameservers = [self.upstream[0]]
         self._resolver.port = self.upstream[1]
         self._resolver.cache = dns.resolver.LRUCache(RESOLVER_CACHE)
-        # sandbox name -> what the gate knows of it; address -> name while it is linked
+        # sandbox name -> what the gate knows of it; its link's address -> the same, while linked
         self.sandboxes: dict[str, GatedSandbox] = {}
-        self.by_address: dict[str, str] = {}
+        self.by_address: dict[str, GatedSandbox] = {}
         self._servers: list[asyncio.AbstractServer] = []  # the DNS over TCP
         self._listener: socket.socket | None = None  # the proxy's, accepted by _accepting
         self._accepting: asyncio.Task[None] | None = None
@@ -286,7 +284,7 @@ class EgressGate:
             _cancel(entry.tasks)
         entry.address = address
         if address:
-            self.by_address[address] = name
+            self.by_address[address] = entry
 
     async def unlink(self, name: str) -> None:
         """The sandbox's link goes: its connections are cut first (so their ends inside it
@@ -303,10 +301,6 @@ class EgressGate:
             if entry.address:
                 self.by_address.pop(entry.address, None)
             _cancel(entry.tasks)
-
-    def _entry_for(self, address: str) -> GatedSandbox | None:
-        name = self.by_address.get(address)
-        return None if name is None else self.sandboxes.get(name)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -330,11 +324,12 @@ class EgressGate:
 
     def _admit(self, peer: str) -> GatedSandbox | None:
         """The sandbox a new connection from `peer` is of, if it may have one more."""
-        entry = self._entry_for(peer)
+        entry = self.by_address.get(peer)
         if entry is None:
             return None
-        if entry.open >= self.max_connections:
-            entry.note_refusal(peer, f"more than {self.max_connections} connections open")
+        most = self.config.max_connections
+        if entry.open >= most:
+            entry.note_refusal(peer, f"more than {most} connections open")
             return None
         return entry
 
@@ -345,13 +340,8 @@ class EgressGate:
         try:
             if entry is None or task is None:
                 return
-            entry.open += 1
-            entry.tasks.add(task)
-            try:
+            with entry.holding(task):
                 upstream = await self._serve(entry, conn)
-            finally:
-                entry.open -= 1
-                entry.tasks.discard(task)
         except OSError:
             pass
         finally:
@@ -400,7 +390,7 @@ class EgressGate:
             entry.allowed += 1
             if first:
                 await asyncio.get_running_loop().sock_sendall(upstream, first)
-            await splice.relay(conn, upstream, linger=self.half_closed_linger)
+            await splice.relay(conn, upstream, linger=self.config.half_closed_linger)
         except BaseException:
             if upstream is not None:
                 upstream.close()
@@ -420,7 +410,7 @@ class EgressGate:
 
     def dns_admits(self, source: str) -> GatedSandbox | None:
         """The sandbox a query from `source` is of, if it may have one more in flight."""
-        entry = self._entry_for(source)
+        entry = self.by_address.get(source)
         if entry is None or entry.dns_in_flight >= MAX_DNS_IN_FLIGHT:
             return None
         return entry
@@ -442,10 +432,7 @@ class EgressGate:
     async def _answer(
         self, entry: GatedSandbox, query_wire: bytes, *, max_size: int
     ) -> bytes | None:
-        try:
-            query = dns.message.from_wire(query_wire)
-        except dns.exception.DNSException:
-            return None
+        query = dns.message.from_wire(query_wire)  # garbage raises: answer() drops it
         if query.flags & dns.flags.QR or query.opcode() != dns.opcode.QUERY:
             return None  # a response, or not a query: nothing to answer
         if len(query.question) != 1:
@@ -484,23 +471,21 @@ class EgressGate:
         if entry is None or task is None:
             writer.close()
             return
-        entry.open += 1  # counted with its connections through the proxy
-        entry.tasks.add(task)
+        idle = self.config.dns_tcp_idle
         try:
-            while True:
-                head = await asyncio.wait_for(reader.readexactly(2), self.dns_tcp_idle)
-                size = int.from_bytes(head, "big")
-                query = await asyncio.wait_for(reader.readexactly(size), self.dns_tcp_idle)
-                reply = await self.answer(query, peer[0], max_size=65535)
-                if reply is None:
-                    return
-                writer.write(len(reply).to_bytes(2, "big") + reply)
-                await asyncio.wait_for(writer.drain(), self.dns_tcp_idle)
+            with entry.holding(task):  # counted with its connections through the proxy
+                while True:
+                    head = await asyncio.wait_for(reader.readexactly(2), idle)
+                    size = int.from_bytes(head, "big")
+                    query = await asyncio.wait_for(reader.readexactly(size), idle)
+                    reply = await self.answer(query, peer[0], max_size=65535)
+                    if reply is None:
+                        return
+                    writer.write(len(reply).to_bytes(2, "big") + reply)
+                    await asyncio.wait_for(writer.drain(), idle)
         except (OSError, asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass
         finally:
-            entry.open -= 1
-            entry.tasks.discard(task)
             writer.close()
 
     def stats(self, name: str) -> dict[str, Any]:

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import hashlib
 import ipaddress
+import json
 import logging
 import re
 import secrets
@@ -43,12 +44,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandgate.core.egress_policy import DEFAULT_SANDBOX_SUBNET
 from sandgate.errors import WorkerError
 from sandgate.worker.uids import UidLease, UidPool
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SUBNET = "10.211.0.0/16"  # 16,384 /30 links (egress.EgressConfig.subnet)
 DEFAULT_SLOT_LOCK_DIR = Path("/run/sandgate/netslots")
 NETNS_DIR = Path("/run/netns")
 SANDBOX_IF = "eth0"
@@ -174,7 +175,7 @@ class NetHost:
         self,
         scope: str,
         *,
-        subnet: str = DEFAULT_SUBNET,
+        subnet: str = DEFAULT_SANDBOX_SUBNET,
         slot_lock_dir: Path = DEFAULT_SLOT_LOCK_DIR,
     ) -> None:
         self.scope = scope
@@ -210,25 +211,22 @@ class NetHost:
     async def remove_leftovers(self) -> None:
         """Namespaces and links a crashed worker of this scope left behind."""
         mine = re.compile(f"^sandgate-{re.escape(self.scope)}-[0-9a-f]{{10}}$")
-        listed = await _run(self._ip, "netns", "list", check=False)
-        for line in listed.splitlines():
-            name = line.split(" ", 1)[0]
+        for name in await self._names("netns", "list", key="name"):
             if mine.match(name):
                 log.warning("netns.leftover_removed", extra={"netns": name})
                 await _run(self._ip, "netns", "del", name, check=False)
-        for name in await self._links():
-            await _run(self._ip, "link", "del", name, check=False)
+        for name in await self._names("link", "show", key="ifname"):
+            if name.startswith(self.prefix):
+                await _run(self._ip, "link", "del", name, check=False)
 
-    async def _links(self) -> list[str]:
-        out = await _run(self._ip, "-o", "link", "show", check=False)
-        names = []
-        for line in out.splitlines():
-            parts = line.split(":", 2)
-            if len(parts) > 1:
-                name = parts[1].strip().split("@", 1)[0]
-                if name.startswith(self.prefix):
-                    names.append(name)
-        return names
+    async def _names(self, *command: str, key: str) -> list[str]:
+        """The `key` of each object `ip -j COMMAND` lists (none when it fails)."""
+        out = await _run(self._ip, "-j", *command, check=False)
+        try:
+            listed = json.loads(out or "[]")
+        except ValueError:
+            return []
+        return [str(item[key]) for item in listed if isinstance(item, dict) and key in item]
 
     async def close(self) -> None:
         if self._filler is not None:

@@ -50,7 +50,7 @@ from typing import Any
 
 from sandgate.agent import MODULES as AGENT_MODULES
 from sandgate.agent import deployed_name
-from sandgate.core.egress_policy import NO_NETWORK, NetworkPolicy, OperatorBounds
+from sandgate.core.egress_policy import NetworkPolicy
 from sandgate.errors import InvalidRequestError, NetworkUnavailableError, WorkerError
 from sandgate.worker import cgroups, disk, fds, netns, rootfs, seccomp
 from sandgate.worker.cgroups import CgroupHost, SandboxCgroups
@@ -266,9 +266,9 @@ class BwrapRuntime:
         self._memsw = self._cg_host.memory_includes_swap(self.worker_name)
         bwrap_host.warn_missing_limits(self._limits, self.worker_name)
 
+        await self._prepare_network()
+        resolver = self.net.resolver_address if self.net is not None else None
         try:
-            await self._prepare_network()
-            resolver = self.net.resolver_address if self.net is not None else None
             self._etc_args = bwrap_host.write_etc(self.etc_dir, resolver=resolver)
             seccomp.write_filter(self.seccomp_path)
         except OSError as exc:
@@ -305,15 +305,11 @@ class BwrapRuntime:
         config = self.egress
         self._nsenter = shutil.which("nsenter") or self._nsenter
         net = netns.NetHost(self.worker_name, subnet=config.subnet)
-        gate = EgressGate(
-            bounds=OperatorBounds.of(config.deny, config.permit),
-            resolver=config.upstream(),
-            sandbox_subnet=net.subnet,
-            max_connections=config.max_connections,
-            half_closed_linger=config.half_closed_linger,
-            dns_tcp_idle=config.dns_tcp_idle,
-        )
-        await gate.start()
+        gate = EgressGate(config)
+        try:
+            await gate.start()
+        except OSError as exc:
+            raise WorkerError(f"cannot start the egress gate: {exc}") from exc
         try:
             await net.prepare(gate_port=gate.gate_port, dns_port=gate.dns_port)
         except BaseException:
@@ -343,12 +339,12 @@ class BwrapRuntime:
             elif not policy.enabled and net.connected:
                 await self.gate.unlink(name)
                 await self.net.disconnect(net)
-            sandbox.private["policy"] = policy
 
     def network_state(self, sandbox: RunningSandbox) -> dict[str, Any]:
-        policy: NetworkPolicy = sandbox.private.get("policy", NO_NETWORK)
-        stats = self.gate.stats(sandbox.spec.name) if self.gate is not None else {}
-        return {"network": policy.to_json(), **stats}
+        """Its policy and the gate's counters for it (`egress.GatedSandbox.stats`)."""
+        if self.gate is None:
+            return {"network": False}
+        return self.gate.stats(sandbox.spec.name)
 
     def _network_unavailable(self) -> str:
         return (
@@ -504,7 +500,6 @@ class BwrapRuntime:
                 "log_path": log_path,
                 "stopped": False,
                 "net": net,
-                "policy": spec.network,
             },
             cgroup_dirs=tuple(cg.dirs),
             disk=own_disk,
@@ -514,7 +509,8 @@ class BwrapRuntime:
 
     def _image_files(self) -> list[str]:
         """The files of the generated /etc a template sandbox gets (its name lookups)."""
-        names = ["hosts", "resolv.conf"] if self.net is not None else ["hosts"]
+        # resolv.conf is written only where sandboxes can have a network (write_etc)
+        names = ("hosts", "resolv.conf")
         return [f"/etc/{name}" for name in names if (self.etc_dir / name).exists()]
 
     def _check_agent_dir(self) -> None:
