@@ -80,15 +80,12 @@ class SandboxService:
         of the same PUT is harmless), then applied by its worker to new connections and DNS
         queries; connections already open stay."""
         sandbox = await self.running(tenant, name)
-        rules = policy.to_json()
         now = utcnow()
         self.state.forget_running(tenant, name)
-        stored = await self.store.set_network(
-            sandbox.name, policy.enabled, rules if isinstance(rules, dict) else None, now
-        )
+        stored = await self.store.set_network(sandbox.name, policy.enabled, policy.rules(), now)
         if not stored:
             raise ConflictError(f"sandbox {name} is no longer running", code="not_running")
-        fields = {"name": sandbox.name, "network": rules}
+        fields = {"name": sandbox.name, "network": policy.to_json()}
         state, _ = await self.workers.request(
             sandbox.worker, "set_network", fields, wait=NETWORK_WAIT
         )

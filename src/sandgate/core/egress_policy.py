@@ -96,8 +96,12 @@ class NetworkPolicy:
         return bool(self.allow_out.domains or self.deny_out.domains)
 
     def to_json(self) -> bool | dict[str, list[str]]:
+        return self.rules() or self.enabled
+
+    def rules(self) -> dict[str, list[str]] | None:
+        """Its rules as JSON, None when it has none (off, or the plain internet)."""
         if not self.enabled or self.open:
-            return self.enabled
+            return None
         return {"allow_out": self.allow_out.as_list(), "deny_out": self.deny_out.as_list()}
 
 

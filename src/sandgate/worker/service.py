@@ -12,7 +12,7 @@ Tunnel operations (server → worker):
 | `export_root` | `name` | `digest`, `size`, `entries` of its root's changes as a layer |
 | `export_read` | `name`, `offset` | up to `BLOB_CHUNK` bytes of that layer (empty at its end) |
 | `set_network` | `name`, `network` (false, true or {allow_out, deny_out}) | as `network` |
-| `network` | `name` | `network`, `allowed`, `refused`, `dns_refused`, `recent_refusals` |
+| `network` | `name` | `network`, `allowed`, `open`, `refused`, `dns_refused`, `recent_refusals` |
 
 Requests (worker → server): `template` {name} → `image` (null: the built-in) for a pool;
 `blob` {digest, offset} → up to 4 MiB of an image

@@ -14,6 +14,7 @@ from sandgate.api.schemas import (
     Execute,
     ExecuteOut,
     ExtendTimeout,
+    NetworkField,
     NetworkOut,
     NetworkRules,
     SandboxList,
@@ -24,7 +25,7 @@ from sandgate.config import ServerSettings
 from sandgate.control.create import CreateRequest
 from sandgate.control.templates import Resolved
 from sandgate.core import caps
-from sandgate.core.egress_policy import parse_policy
+from sandgate.core.egress_policy import NetworkPolicy, parse_policy
 from sandgate.errors import InvalidRequestError
 from sandgate.store.base import Sandbox, SandboxFilter, SandboxName, TenantId
 
@@ -75,16 +76,14 @@ def create_request(
     if timeout > settings.max_timeout:
         raise InvalidRequestError(f"timeout is at most {settings.max_timeout:g} seconds")
     resources = caps.resolve(body.resources.model_dump(), settings.caps)
-    network = body.network if isinstance(body.network, bool) else body.network.model_dump()
-    policy = parse_policy(network)
-    rules = policy.to_json()
+    policy = policy_of(body.network)
     return CreateRequest(
         template=template.name,
         timeout=timeout,
         metadata=body.metadata,
         env=body.env,
         network=policy.enabled,
-        network_policy=rules if isinstance(rules, dict) else None,
+        network_policy=policy.rules(),
         resources=resources,
         # fingerprinted with what it gets: a retry naming the defaults is the same request
         body=body.model_dump(mode="json") | {"timeout": timeout, "resources": resources},
@@ -163,6 +162,11 @@ async def extend_timeout(name: str, body: ExtendTimeout, who: Tenant, svc: Svc) 
     return sandbox_out(await svc.sandboxes.extend(who, name, body.timeout))
 
 
+def policy_of(network: NetworkField) -> NetworkPolicy:
+    """A request's `network` as a policy (bad rules: 400 invalid_network_policy)."""
+    return parse_policy(network if isinstance(network, bool) else network.model_dump())
+
+
 def network_out(state: dict[str, Any]) -> dict[str, Any]:
     return NetworkOut.model_validate(state).model_dump(mode="json")
 
@@ -178,8 +182,7 @@ async def get_network(name: str, who: Tenant, svc: Svc) -> dict[str, Any]:
 async def set_network(name: str, body: SetNetwork, who: Tenant, svc: Svc) -> dict[str, Any]:
     """Change the running sandbox's network: new connections and DNS queries follow the new
     policy at once (open connections stay); false takes its interface away."""
-    network = body.network if isinstance(body.network, bool) else body.network.model_dump()
-    return network_out(await svc.sandboxes.set_network(who, name, parse_policy(network)))
+    return network_out(await svc.sandboxes.set_network(who, name, policy_of(body.network)))
 
 
 async def _execute(name: str, body: Execute, who: TenantId, svc: Services) -> dict[str, Any]:
