@@ -45,6 +45,19 @@ class SandboxService:
             raise NotFoundError(f"sandbox {name} not found")
         return sandbox
 
+    async def owner(self, name: str) -> TenantId | None:
+        """The tenant of sandbox `name`, for a credential that is the sandbox's own (E2B's
+        envd and traffic tokens), None if there is none: remembered per name (it never
+        changes), so a sandbox's stream of calls reads the store once."""
+        tenant = self.state.tenant_of_sandbox(name)
+        if tenant is None:
+            record = await self.store.get_sandbox(SandboxName(name))
+            if record is None:
+                return None
+            tenant = record.tenant_id
+            self.state.remember_tenant_of_sandbox(name, tenant)
+        return TenantId(tenant)
+
     async def list(self, tenant: TenantId, where: SandboxFilter) -> list[Sandbox]:
         return await self.store.list_sandboxes(tenant, where)
 

@@ -51,7 +51,6 @@ from sandgate.api.e2b.process import ProcessService
 from sandgate.control.toolbox import Toolbox
 from sandgate.core import e2b_auth
 from sandgate.errors import ConflictError, NotFoundError, SandgateError
-from sandgate.store.base import SandboxName, TenantId
 
 log = logging.getLogger(__name__)
 
@@ -150,14 +149,10 @@ class EnvdFront:
     async def _resolve(self, svc: Services, sandbox: str) -> EnvdCaller:
         """The running sandbox's tenant: remembered per name (it never changes), and its
         running record through the same 1-s cache as every toolbox call."""
-        tenant = svc.state.tenant_of_sandbox(sandbox)
+        tenant = await svc.sandboxes.owner(sandbox)
         if tenant is None:
-            record = await svc.store.get_sandbox(SandboxName(sandbox))
-            if record is None:
-                raise NotFoundError(not_found_message(sandbox))
-            tenant = record.tenant_id
-            svc.state.remember_tenant_of_sandbox(sandbox, tenant)
-        running = await svc.sandboxes.running(TenantId(tenant), sandbox)
+            raise NotFoundError(not_found_message(sandbox))
+        running = await svc.sandboxes.running(tenant, sandbox)
         return EnvdCaller(running.tenant_id, running.name)
 
     def _credential(

@@ -30,7 +30,7 @@ from sandgate.api.ports.headers import PREVIEW_COOKIE, PREVIEW_PARAM
 from sandgate.core import e2b_auth
 from sandgate.core.ports import PreviewGrant, check_preview
 from sandgate.errors import AuthError, NotFoundError, SandgateError
-from sandgate.store.base import SandboxName, TenantId
+from sandgate.store.base import TenantId
 
 TRAFFIC_HEADER = "e2b-traffic-access-token"
 
@@ -68,23 +68,13 @@ async def caller(conn: HTTPConnection, svc: Services, sandbox: str, port: int) -
     if traffic is not None:
         if not e2b_auth.traffic_token_matches(secret, sandbox, traffic):
             raise AuthError(f"this {TRAFFIC_HEADER} is not sandbox {sandbox}'s")
-        return Caller(await _owner(svc, sandbox), "traffic")
+        owner = await svc.sandboxes.owner(sandbox)
+        if owner is None:
+            raise NotFoundError(f"no sandbox {sandbox}")
+        return Caller(owner, "traffic")
     if key is None:
         raise AuthError(
             "missing credentials: send Authorization: Bearer <api key>, or open a preview URL "
             f"(POST /api/v1/sandboxes/{sandbox}/ports/{port}/preview makes one)"
         )
     return Caller(tenant_of(await resolve_key(svc, key)), "key")
-
-
-async def _owner(svc: Services, sandbox: str) -> TenantId:
-    """The tenant of a sandbox named by a credential that is its own (E2B's traffic token):
-    remembered per name, as envd does (it never changes)."""
-    tenant = svc.state.tenant_of_sandbox(sandbox)
-    if tenant is None:
-        record = await svc.store.get_sandbox(SandboxName(sandbox))
-        if record is None:
-            raise NotFoundError(f"no sandbox {sandbox}")
-        tenant = record.tenant_id
-        svc.state.remember_tenant_of_sandbox(sandbox, tenant)
-    return TenantId(tenant)
