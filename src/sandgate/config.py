@@ -47,6 +47,10 @@ class ServerSettings(_Frozen):
     max_template_bytes: int = 8 << 30  # one template archive (POST /api/v1/templates)
     max_templates: int = 100  # templates one tenant (or the public set) may hold
     max_template_storage_bytes: int = 100 << 30  # their layers' bytes, per tenant
+    # persistent workspaces (control/workspaces.py): per tenant, and each one's quota (MiB)
+    max_workspaces: int = 100
+    default_workspace_mb: int = 1024
+    max_workspace_mb: int = 10240
     file_chunk_bytes: int = 1 << 20  # one tunnel frame of file data
     # several instances
     owner_ttl: float = 90.0  # a tunnel_owners row older than this is not trusted
@@ -88,6 +92,9 @@ class WorkerSettings(_Frozen):
     egress_permit: tuple[str, ...] = ()
     egress_resolver: str = ""
     sandbox_subnet: str = DEFAULT_SANDBOX_SUBNET
+    # the deployment's persistent workspaces, shared by its workers (worker/workspaces.py);
+    # None: <state_dir>/workspaces (shared by the workers given the same --state-dir)
+    workspace_root: Path | None = None
     # the share of the host's fs.file-max one sandbox at its limits may hold (worker.fds)
     fd_share: float = Field(default=0.1, gt=0, le=1)
     # the sandboxes' memory limits (disk quotas) together may be this many times what the

@@ -24,6 +24,10 @@ FAULTS = MappingProxyType(
             "/readyz answers 503 naming it, and it is healthy again from the 5th"
         ),
         # worker side
+        "pause-workspace-git": (
+            "worker: a workspace commit or restore waits 3 s after its first git step, so a "
+            "test can kill the holder of the workspace's lock meanwhile"
+        ),
         "hang-start": (
             "worker: every provision hangs and its sandbox never becomes ready, so each create "
             "is a scheduling timeout; restart the worker without it to recover"

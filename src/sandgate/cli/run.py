@@ -173,6 +173,18 @@ def server(
             envvar="SANDGATE_MAX_DISK_MB", min=64, help="disk quota cap per sandbox (MiB)"
         ),
     ] = 10240,
+    max_workspace_mb: Annotated[
+        int,
+        typer.Option(
+            envvar="SANDGATE_MAX_WORKSPACE_MB",
+            min=16,
+            help="quota cap per workspace (MiB; its files and history together)",
+        ),
+    ] = 10240,
+    max_workspaces: Annotated[
+        int,
+        typer.Option(envvar="SANDGATE_MAX_WORKSPACES", min=0, help="workspaces per tenant"),
+    ] = 100,
     default_memory_mb: Annotated[
         int,
         typer.Option(
@@ -243,6 +255,9 @@ def server(
         runner.run(_prepare_db(db))
     settings = ServerSettings(
         caps=resource_caps,
+        max_workspace_mb=max_workspace_mb,
+        max_workspaces=max_workspaces,
+        default_workspace_mb=min(1024, max_workspace_mb),
         exec_job_retention=exec_job_retention,
         sandbox_retention=sandbox_retention,
         body_idle_timeout=body_idle_timeout,
@@ -321,6 +336,15 @@ def worker(
             help="IPv4 range the sandboxes' links are numbered from (a /30 each)",
         ),
     ] = DEFAULT_SANDBOX_SUBNET,
+    workspace_root: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="SANDGATE_WORKSPACE_ROOT",
+            help="directory holding the deployment's persistent workspaces, shared by all "
+            "its workers (a shared file system in a fleet; see docs/decisions/"
+            "0010-workspaces.md); default: STATE_DIR/workspaces",
+        ),
+    ] = None,
     fd_share: Annotated[
         float,
         typer.Option(
@@ -402,6 +426,7 @@ def worker(
         egress_deny=tuple(egress_deny) if egress_deny else DEFAULT_DENY,
         egress_resolver=egress_resolver,
         sandbox_subnet=sandbox_subnet,
+        workspace_root=workspace_root,
         fd_share=fd_share,
         memory_overcommit=memory_overcommit,
         disk_overcommit=disk_overcommit,

@@ -55,39 +55,48 @@ def _run(argv: list[str], what: str) -> None:
         raise WorkerError(f"{what}: {detail[-1] if detail else f'exit {done.returncode}'}")
 
 
+def make_image(image: Path, *, disk_mb: int) -> None:
+    """A sparse file of exactly `disk_mb` MiB, made into ext4 (`image` must not exist)."""
+    with open(image, "xb") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.truncate(disk_mb << 20)
+    _run(
+        [
+            "mkfs.ext4",
+            "-q",
+            "-F",
+            "-b",
+            "4096",
+            "-m",
+            "0",
+            "-N",
+            str(inodes_for(disk_mb)),
+            "-O",
+            "^has_journal,^resize_inode",
+            "-E",
+            "lazy_itable_init=1,nodiscard",
+            str(image),
+        ],
+        "cannot make the file system",
+    )
+
+
+def mount_image(image: Path, mount_point: Path) -> None:
+    _run(
+        ["mount", "-t", "ext4", "-o", MOUNT_OPTIONS, str(image), str(mount_point)],
+        "cannot mount the file system",
+    )
+    os.chmod(mount_point, 0o711)
+
+
 def create(sandbox_dir: Path, *, disk_mb: int, uid: int) -> SandboxDisk:
     """Make, mount and lay out the sandbox's file system; nothing is left on failure."""
     image = sandbox_dir / IMAGE_NAME
     mount_point = sandbox_dir / MOUNT_NAME
     try:
-        with open(image, "xb") as f:
-            os.fchmod(f.fileno(), 0o600)
-            f.truncate(disk_mb << 20)
-        _run(
-            [
-                "mkfs.ext4",
-                "-q",
-                "-F",
-                "-b",
-                "4096",
-                "-m",
-                "0",
-                "-N",
-                str(inodes_for(disk_mb)),
-                "-O",
-                "^has_journal,^resize_inode",
-                "-E",
-                "lazy_itable_init=1,nodiscard",
-                str(image),
-            ],
-            "cannot make the sandbox file system",
-        )
+        make_image(image, disk_mb=disk_mb)
         mount_point.mkdir(mode=0o711)
-        _run(
-            ["mount", "-t", "ext4", "-o", MOUNT_OPTIONS, str(image), str(mount_point)],
-            "cannot mount the sandbox file system",
-        )
-        os.chmod(mount_point, 0o711)
+        mount_image(image, mount_point)
         workspace, tmp = mount_point / "workspace", mount_point / "tmp"
         for path, mode in ((workspace, 0o700), (tmp, 0o1777)):
             path.mkdir()
@@ -97,6 +106,10 @@ def create(sandbox_dir: Path, *, disk_mb: int, uid: int) -> SandboxDisk:
         remove(sandbox_dir)
         raise
     return SandboxDisk(image, mount_point, workspace, tmp)
+
+
+def unmount(point: Path) -> None:
+    _run(["umount", str(point)], f"cannot unmount {point}")
 
 
 def remove(sandbox_dir: Path) -> None:

@@ -33,6 +33,7 @@ from sandgate.worker.egress import EgressConfig
 from sandgate.worker.runtime.base import Runtime
 from sandgate.worker.service import WorkerService
 from sandgate.worker.state import WorkerLocalState
+from sandgate.worker.workspaces import WorkspaceHost
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,12 @@ def make_runtime(settings: WorkerSettings, state_dir: Path, agent_dir: Path) -> 
             worker_name=scope,
             egress=egress_config(settings),
             fd_share=settings.fd_share,
+            workspaces=WorkspaceHost(
+                # by default shared by the workers started with the same --state-dir
+                (settings.workspace_root or settings.state_dir / "workspaces").absolute(),
+                state_dir / "workspace-mounts",
+                faults=settings.faults,
+            ),
         )
     if settings.runtime == "process":
         from sandgate.worker.runtime.process import ProcessRuntime

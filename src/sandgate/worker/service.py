@@ -13,6 +13,9 @@ Tunnel operations (server → worker):
 | `export_read` | `name`, `offset` | up to `BLOB_CHUNK` bytes of that layer (empty at its end) |
 | `set_network` | `name`, `network` (false, true or {allow_out, deny_out}) | as `network` |
 | `network` | `name` | `network`, `allowed`, `open`, `refused`, `dns_refused`, `recent_refusals` |
+| `workspace_create` | `workspace` (its id), `owner`, `quota_mb` | `head` (its first commit) |
+| `workspace_delete` | `workspace`, `owner` | `existed` |
+| `workspace_git` | `workspace`, `owner`, `fence`, `action` (commit, log, show, restore) | result |
 
 Requests (worker → server): `template` {name} → `image` (null: the built-in) for a pool;
 `blob` {digest, offset} → up to 4 MiB of an image
@@ -35,6 +38,7 @@ from typing import Any
 from sandgate.agent.frames import Header
 from sandgate.core import placement
 from sandgate.core.egress_policy import NetworkPolicy, parse_policy
+from sandgate.core.workspaces import ResolvedMount, author_email, check_id, check_mount_path
 from sandgate.errors import (
     ConflictError,
     DiskQuotaExceededError,
@@ -48,9 +52,12 @@ from sandgate.errors import (
 )
 from sandgate.worker import cgroups, disk, export, metrics, pool
 from sandgate.worker.agent_link import AgentLink
+from sandgate.worker.git_history import Author
+from sandgate.worker.git_ops import WORKSPACE_OPS, git_work
 from sandgate.worker.images import INCOMING, FetchChunk, LayerCache
 from sandgate.worker.runtime.base import ImageSpec, LayerRef, Runtime, SandboxSpec
 from sandgate.worker.state import LiveSandbox, Starting, WorkerLocalState
+from sandgate.worker.workspaces import WorkspaceHost
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +154,8 @@ class WorkerService:
             if not isinstance(offset, int) or offset < 0:
                 raise InvalidRequestError("export_read takes an offset >= 0")
             return {}, await self._export_read(str(header.get("name", "")), offset)
+        if op in WORKSPACE_OPS:
+            return await self._workspace(op, header), b""
         if op == "list":
             return {
                 "sandboxes": sorted(self.state.sandboxes),
@@ -408,6 +417,8 @@ class WorkerService:
     # -- warm pools (worker/pool.py) --------------------------------------------------------
     async def _from_pool(self, spec: SandboxSpec) -> LiveSandbox | None:
         """A pooled sandbox for this provision, handed out under its name, or None."""
+        if spec.workspaces:  # pooled sandboxes have none bound: this one starts its own
+            return None
         ready = self.state.pool.get(spec.template, [])
         # only a sandbox of the very image asked for matches (a tenant's own template of the
         # pool's name is another image); the filler drops the ones of a replaced image
@@ -663,6 +674,28 @@ class WorkerService:
         except FileNotFoundError:
             raise ConflictError(f"sandbox {name} has no exported layer: export it first") from None
 
+    async def _workspace(self, op: str, header: Header) -> Header:
+        host: WorkspaceHost | None = getattr(self.runtime, "workspaces", None)
+        if host is None or host.problem is not None:
+            why = "none configured" if host is None else host.problem
+            raise NotSupportedError(f"this worker serves no workspaces ({why})")
+        ws_id, owner = str(header.get("workspace", "")), str(header.get("owner", ""))
+        if not owner:
+            raise InvalidRequestError("a workspace operation names its owner")
+        if op == "workspace_create":
+            author = Author(owner, author_email(owner))
+            head = await host.create(ws_id, owner, int(header.get("quota_mb", 0)), author)
+            return {"head": head}
+        if op == "workspace_delete":
+            return {"existed": await host.delete(ws_id, owner)}
+        fence = header.get("fence")
+        if fence is None and header.get("action") not in ("log", "show"):
+            raise InvalidRequestError("a commit or restore takes the workspace lock's fence")
+        if fence is not None and not isinstance(fence, int):
+            raise InvalidRequestError("fence must be a number")
+        work = git_work(header)
+        return await host.run(ws_id, owner, fence, work)
+
     def _running(self, name: str) -> LiveSandbox:
         live = self.state.sandboxes.get(name)
         if live is None:
@@ -701,6 +734,15 @@ def _spec(header: Header) -> SandboxSpec:
             template=str(spec.get("template", "default")),
             pool=bool(spec.get("pool", True)),
             image=_image(spec.get("image")),
+            workspaces=tuple(
+                ResolvedMount(
+                    id=check_id(m["id"]),
+                    name=str(m["name"]),
+                    path=check_mount_path(m["path"]),
+                    owner=str(m["owner"]),
+                )
+                for m in spec.get("workspaces") or ()
+            ),
         )
     except (TypeError, ValueError, AttributeError, KeyError) as exc:
         raise InvalidRequestError(f"bad provision spec: {exc}") from None

@@ -165,6 +165,25 @@ WORKER_OBJECT_STATE: Mapping[str, StateRow] = MappingProxyType(
             "the sandboxes' open connections (each within its pids and fd limits)",
             "per-process by nature; cancelled when the worker stops",
         ),
+        "WorkspaceHost.mounted": StateRow(
+            "workspaces whose image this worker has mounted, with how many sandboxes and git "
+            "operations use each, and the flock that says it is mounted here",
+            "the workspaces of this worker's sandboxes, plus those in a git operation",
+            "exact across hosts: the flock on the workspace's lock file, on the shared root, "
+            "keeps a second worker from mounting it; released by the kernel when this one dies",
+        ),
+        "WorkspaceHost.fences": StateRow(
+            "the highest lock fence an operation on each workspace arrived with",
+            "one integer per workspace used since the worker started",
+            "exact: the fences come from the store, one per holder of the workspace's "
+            "deployment-wide lock; an operation with a lower one stops before its next git step",
+        ),
+        "WorkspaceHost._locks": StateRow(
+            "serialises the mount, unmount and git operations of each workspace on this worker",
+            "one lock per workspace used since the worker started",
+            "per-process by nature (one worker has a workspace mounted); across instances the "
+            "store's advisory lock orders commits and restores",
+        ),
         "AgentLink._buffered": StateRow(
             "frames decoded from an agent's pipe, not yet dispatched",
             "one read (64 KiB) worth of frames",

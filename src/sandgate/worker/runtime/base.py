@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sandgate.core.egress_policy import NO_NETWORK, NetworkPolicy
+from sandgate.core.workspaces import ResolvedMount
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class SandboxSpec:
     template: str = "default"  # what it starts as (worker/pool.py TEMPLATES)
     pool: bool = True  # a provision may hand out a pooled sandbox for it (worker/pool.py)
     image: ImageSpec | None = None  # None: the host's /usr read-only (the built-in templates)
+    # persistent workspaces bound into it (worker/workspaces.py), each for its recorded owner
+    workspaces: tuple[ResolvedMount, ...] = ()
 
     def resources(self) -> dict[str, int | float]:
         return {

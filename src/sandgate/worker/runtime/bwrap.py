@@ -45,6 +45,7 @@ import os
 import re
 import shutil
 import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ from sandgate.agent import MODULES as AGENT_MODULES
 from sandgate.agent import deployed_name
 from sandgate.core.egress_policy import NetworkPolicy
 from sandgate.errors import InvalidRequestError, NetworkUnavailableError, WorkerError
-from sandgate.worker import cgroups, disk, fds, netns, rootfs, seccomp
+from sandgate.worker import cgroups, disk, fds, idmap, netns, rootfs, seccomp
 from sandgate.worker.cgroups import CgroupHost, SandboxCgroups
 from sandgate.worker.cleanup import remove_tree
 from sandgate.worker.egress import EgressConfig, EgressGate
@@ -61,6 +62,7 @@ from sandgate.worker.runtime import bwrap_host
 from sandgate.worker.runtime.base import ImageSpec, RunningSandbox, SandboxSpec
 from sandgate.worker.runtime.bwrap_host import SANDBOX_UID, untraversable
 from sandgate.worker.uids import UidLease, UidPool
+from sandgate.worker.workspaces import WorkspaceHost
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +185,7 @@ class BwrapRuntime:
         egress: EgressConfig | None = None,
         uid_lock_dir: Path | None = None,
         fd_share: float = fds.DEFAULT_FD_SHARE,
+        workspaces: WorkspaceHost | None = None,
     ) -> None:
         """`uid_lock_dir` must be shared by every worker on the host that uses an overlapping
         uid range; the default is host-wide (/run/sandgate/uids), not per state_dir."""
@@ -218,6 +221,7 @@ class BwrapRuntime:
         self._host_python: tuple[str, str, str] | None = None  # loader, its dir, python
         self._images_problem: str | None = "the runtime is not prepared"
         self.fd_share = fd_share
+        self.workspaces = workspaces  # persistent workspaces (workspaces.py); None: none here
         self._file_limits = (0, 0)  # the host's fs.file-max and fs.nr_open
 
     # ------------------------------------------------------------------ features
@@ -248,6 +252,8 @@ class BwrapRuntime:
             "fd_share": self.fd_share,
             # template root file systems (rootfs.py): idmapped layers under an overlay
             "images": self._host_python is not None and self._images_problem is None,
+            # persistent workspaces (workspaces.py): an image per workspace, idmapped binds
+            "workspaces": self.workspaces is not None and self.workspaces.problem is None,
         }
 
     # ------------------------------------------------------------------ prepare
@@ -284,6 +290,8 @@ class BwrapRuntime:
                 self._images_problem,
             )
         self._disk_problem = await bwrap_host.probe_disk(self.state_dir, self.worker_name)
+        if self.workspaces is not None:
+            await asyncio.to_thread(self.workspaces.prepare, disk_problem=self._disk_problem)
         self._file_limits = bwrap_host.file_limits()
         self._prepared = True
         log.info("runtime.prepared worker=%s features=%s", self.worker_name, self.features())
@@ -391,6 +399,7 @@ class BwrapRuntime:
         dir_created = False
         cg: SandboxCgroups | None = None
         net: netns.SandboxNet | None = None
+        bound = _BoundWorkspaces()
         log_fd = seccomp_fd = args_fd = -1
         try:
             if self.net is not None and self.gate is not None:
@@ -421,6 +430,7 @@ class BwrapRuntime:
             root: Path | None = None
             points: dict[str, str] = {}
             inner_uid = SANDBOX_UID
+            binds = await self._bind_workspaces(spec, sandbox_dir, uid, bound)
             if spec.image is not None:
                 names = [layer_name(layer.digest) for layer in spec.image.layers]
                 mounting = asyncio.ensure_future(
@@ -444,7 +454,7 @@ class BwrapRuntime:
                     rootfs.make_mount_points,
                     root,
                     uid,
-                    dirs=[*IMAGE_MOUNT_DIRS, image_workdir(spec.image)],
+                    dirs=[*IMAGE_MOUNT_DIRS, image_workdir(spec.image), *(p for p, _ in binds)],
                     files=self._image_files(),
                 )
             log_path = sandbox_dir / "agent.log"
@@ -459,7 +469,9 @@ class BwrapRuntime:
                 cpus=spec.cpus,
             )
             seccomp_fd = seccomp.open_filter(self.seccomp_path)
-            args = self._bwrap_args(spec, workspace, tmp, seccomp_fd, root, points, inner_uid)
+            args = self._bwrap_args(
+                spec, workspace, tmp, seccomp_fd, root, points, inner_uid, binds=binds
+            )
             args_fd = _memfd_with(b"".join(a.encode() + b"\0" for a in args))
             cmd = self._command(uid, args_fd, argv, nofile=self.nofile_for(spec), net=net)
             process = await asyncio.create_subprocess_exec(
@@ -476,7 +488,8 @@ class BwrapRuntime:
             if cg is not None:
                 await cg.kill_all(wait_s=2.0)
                 await cg.remove()
-            if dir_created:
+            await self._unbind_workspaces(bound)
+            if dir_created and not bound.targets:
                 await asyncio.to_thread(_remove_sandbox_dir, sandbox_dir)
             if lease is not None:
                 lease.release()
@@ -500,12 +513,44 @@ class BwrapRuntime:
                 "log_path": log_path,
                 "stopped": False,
                 "net": net,
+                "workspaces": bound,
             },
             cgroup_dirs=tuple(cg.dirs),
             disk=own_disk,
             scratch=() if own_disk is not None else (workspace,),  # /tmp: a tmpfs, in memory
             upper=None if root is None else (own_disk or sandbox_dir) / rootfs.UPPER_NAME,
         )
+
+    async def _bind_workspaces(
+        self, spec: SandboxSpec, sandbox_dir: Path, uid: int, bound: _BoundWorkspaces
+    ) -> list[tuple[str, Path]]:
+        """Each of the spec's workspaces mounted (for its recorded owner only) and bound at
+        `<sandbox>/ws<i>`, seen by the sandbox's uid as its own: (mount path, that bind)."""
+        if not spec.workspaces:
+            return []
+        host = self.workspaces
+        if host is None or host.problem is not None:
+            why = "none configured" if host is None else host.problem
+            raise WorkerError(f"this worker cannot mount workspaces ({why})")
+        binds: list[tuple[str, Path]] = []
+        for i, mount in enumerate(spec.workspaces):
+            files = await host.attach(mount.id, mount.owner)
+            bound.attached.append(mount.id)
+            target = sandbox_dir / f"ws{i}"
+            target.mkdir(mode=0o700)
+            await asyncio.to_thread(host.bind, files, target, uid)
+            bound.targets.append(target)
+            binds.append((mount.path, target))
+        return binds
+
+    async def _unbind_workspaces(self, bound: _BoundWorkspaces) -> None:
+        """Undo `_bind_workspaces` once the sandbox's processes are gone; the targets left
+        bound (a failure) keep the sandbox's directory from being removed through them."""
+        while bound.targets:
+            await asyncio.to_thread(idmap.unbind, bound.targets[-1])
+            bound.targets.pop()
+        while bound.attached and self.workspaces is not None:
+            await self.workspaces.release(bound.attached.pop())
 
     def _image_files(self) -> list[str]:
         """The files of the generated /etc a template sandbox gets (its name lookups)."""
@@ -579,6 +624,8 @@ class BwrapRuntime:
         root: Path | None = None,
         points: dict[str, str] | None = None,
         inner_uid: int = SANDBOX_UID,
+        *,
+        binds: list[tuple[str, Path]] | None = None,
     ) -> list[str]:
         """bwrap's options (not the command: bwrap takes that from its real argv only).
 
@@ -615,7 +662,10 @@ class BwrapRuntime:
         else:  # no disk quota here: a tmpfs, bounded by the sandbox's memory limit
             size = min(spec.memory_mb, spec.disk_mb) << 20
             cmd += ["--size", str(size), "--tmpfs", where("/tmp")]
-        cmd += ["--bind", str(workspace), where("/workspace")]
+        mounted = dict(binds or ())  # mount path -> host path (workspaces.py, idmapped)
+        cmd += ["--bind", str(mounted.pop("/workspace", workspace)), where("/workspace")]
+        for path, source in sorted(mounted.items()):
+            cmd += ["--bind", str(source), where(path)]
         if root is None:
             cmd += ["--dir", "/opt"]
         cmd += ["--ro-bind", str(self.agent_dir), where(AGENT_MOUNT)]
@@ -693,8 +743,14 @@ class BwrapRuntime:
             left = await cg.remove()
             if left:
                 problems.append(f"cgroups not removed: {', '.join(map(str, left))}")
+        bound: _BoundWorkspaces | None = private.get("workspaces")
+        if bound is not None and all_dead:
+            try:
+                await self._unbind_workspaces(bound)
+            except WorkerError as exc:
+                problems.append(exc.message)
         sandbox_dir: Path | None = private.get("sandbox_dir")
-        if sandbox_dir is not None:
+        if sandbox_dir is not None and (bound is None or not bound.targets):
             try:
                 await asyncio.to_thread(_remove_sandbox_dir, sandbox_dir)
             except (OSError, WorkerError) as exc:
@@ -712,6 +768,12 @@ class BwrapRuntime:
         private["stopped"] = not problems
         if problems:
             raise WorkerError(f"stopping sandbox {sandbox.spec.name!r}: {'; '.join(problems)}")
+
+
+@dataclass
+class _BoundWorkspaces:
+    attached: list[str] = field(default_factory=list)  # workspace ids attached (to release)
+    targets: list[Path] = field(default_factory=list)  # their binds in the sandbox's dir
 
 
 def _memfd_with(data: bytes) -> int:

@@ -1,0 +1,355 @@
+"""Workspaces on a worker host: their storage under the deployment's workspace root, mounted
+while something uses them, handed to sandboxes through idmapped binds, and their git history.
+
+Layout, under `--workspace-root` (shared by the workers of a deployment; see
+docs/decisions/0010-workspaces.md for what the file system must guarantee):
+
+    <root>/<id>/workspace.json  owner, quota, created: written last, so its presence means
+                                the workspace is complete; the owner is checked on every use
+    <root>/<id>/disk.img        ext4 image of exactly quota_mb (the kernel enforces the quota,
+                                history included: `worker/disk.py`)
+    <root>/<id>/lock            flock'd by the one worker that has the image mounted
+
+The image, mounted at `<state>/workspace-mounts/<id>` only while a sandbox or a git
+operation uses it, holds `files/` (what sandboxes see) and `git/` (its history, never bound
+into a sandbox: a tenant can plant neither hooks nor config). Both belong to STORAGE_UID, the
+same on every worker, which no sandbox runs as; a sandbox sees the files as its own through
+an idmapped bind (`idmap.py`), and git runs as STORAGE_UID (`git_history.py`).
+
+Operations on one workspace are serialised here (one worker has it mounted, and runs them in
+turn); across the deployment the control plane holds the workspace's advisory lock around
+each and sends the lock's fence: an operation that sees a higher fence arrive stops before
+its next git step (the lock it ran under was lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+from sandgate.core.clock import utcnow
+from sandgate.core.workspaces import check_id
+from sandgate.errors import ConflictError, NotFoundError, WorkerError
+from sandgate.worker import disk, idmap
+from sandgate.worker.git_history import Author, GitHistory
+
+log = logging.getLogger(__name__)
+
+STORAGE_UID: Final = 199999  # owns every workspace's files on disk; below the sandbox uids
+META: Final = "workspace.json"
+IMAGE: Final = "disk.img"
+LOCK: Final = "lock"
+FILES: Final = "files"
+GIT: Final = "git"
+FAULT_PAUSE: Final = 3.0  # the pause-workspace-git fault's wait between two git steps
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Mounted:
+    point: Path
+    lock_fd: int  # the flock that says this worker has the image mounted
+    refs: int = 0  # sandboxes and operations using it
+
+
+class WorkspaceHost:
+    def __init__(
+        self,
+        root: Path,
+        mounts_dir: Path,
+        *,
+        storage_uid: int = STORAGE_UID,
+        faults: frozenset[str] = frozenset(),
+    ) -> None:
+        self.root = root
+        self.mounts_dir = mounts_dir
+        self.storage_uid = storage_uid
+        self.pause_steps = "pause-workspace-git" in faults  # a test kills a holder meanwhile
+        self.problem: str | None = "not prepared"  # why workspaces cannot be served here
+        # workspace id -> its mount while in use (refcounted)
+        self.mounted: dict[str, _Mounted] = {}
+        # workspace id -> the highest lock fence an operation on it arrived with
+        self.fences: dict[str, int] = {}
+        # workspace id -> serialises its mount, unmount and operations on this worker
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # -- start -------------------------------------------------------------------------
+    def prepare(self, *, disk_problem: str | None) -> None:
+        """Blocking, once at worker start: leftovers of a crash unmounted, then a probe."""
+        # traversable by the storage uid (git runs as it), listable by root alone
+        self.mounts_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
+        os.chmod(self.mounts_dir, 0o711)
+        for point in disk.unmount_leftovers(self.mounts_dir):
+            log.warning("workspace.leftover_unmounted", extra={"point": str(point)})
+        for child in self.mounts_dir.iterdir():
+            with contextlib.suppress(OSError):
+                child.rmdir()
+        if disk_problem is not None:
+            self.problem = f"no disk quotas on this host ({disk_problem})"
+            return
+        try:
+            self.root.mkdir(mode=0o711, parents=True, exist_ok=True)
+            self.problem = _probe_idmap(self.mounts_dir, self.storage_uid)
+        except OSError as exc:
+            self.problem = f"cannot use the workspace root {self.root}: {exc}"
+        if self.problem is not None:
+            log.warning("workspace.unavailable", extra={"reason": self.problem})
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def create(self, ws_id: str, owner: str, quota_mb: int, author: Author) -> dict[str, Any]:
+        """Make the workspace (its image, files/, git/ with a first commit); a retry of a
+        create that completed returns its head, one by another owner is refused."""
+        check_id(ws_id)
+        async with self._lock(ws_id):
+            meta = self._meta(ws_id)
+            if meta is not None:
+                if meta.get("owner") != owner:
+                    raise ConflictError(f"workspace id {ws_id} is taken")
+                return await self._in_mounted(ws_id, owner, lambda git: git.head().to_json())
+            return await asyncio.to_thread(self._make, ws_id, owner, quota_mb, author)
+
+    async def delete(self, ws_id: str, owner: str) -> bool:
+        check_id(ws_id)
+        async with self._lock(ws_id):
+            meta = self._meta(ws_id)
+            if meta is None:
+                return False
+            if meta.get("owner") != owner:
+                raise NotFoundError(f"workspace {ws_id} not found")
+            if ws_id in self.mounted:
+                raise ConflictError(
+                    "the workspace is mounted by a sandbox; delete its sandboxes first",
+                    code="workspace_in_use",
+                )
+            await asyncio.to_thread(self._remove, ws_id)
+            self.fences.pop(ws_id, None)
+            return True
+
+    # -- mounts for sandboxes --------------------------------------------------------------
+    async def attach(self, ws_id: str, owner: str) -> Path:
+        """The host path of the workspace's files, mounted until `release`; only for the owner
+        recorded with the workspace (anyone else: not found, as if it did not exist)."""
+        check_id(ws_id)
+        async with self._lock(ws_id):
+            return await self._attach(ws_id, owner)
+
+    async def release(self, ws_id: str) -> None:
+        async with self._lock(ws_id):
+            await self._release(ws_id)
+
+    def bind(self, files: Path, target: Path, uid: int) -> None:
+        """Blocking: `files` at `target`, seen by `uid` as its own."""
+        idmap.bind(files, target, on_disk=self.storage_uid, seen_as=uid)
+
+    # -- git --------------------------------------------------------------------------------
+    async def run(
+        self, ws_id: str, owner: str, fence: int | None, work: Callable[[GitHistory], T]
+    ) -> T:
+        """Run `work` (blocking, in a thread) on the workspace's history, in turn with every
+        other operation on it here, stopped before any git step once a higher fence arrived
+        (`fence` None: a read, which takes no lock)."""
+        check_id(ws_id)
+        if fence is not None:
+            if fence < self.fences.get(ws_id, 0):
+                raise _lock_lost(ws_id)
+            self.fences[ws_id] = fence
+        async with self._lock(ws_id):
+            return await self._in_mounted(ws_id, owner, work, fence=fence)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _lock(self, ws_id: str) -> asyncio.Lock:
+        lock = self._locks.get(ws_id)
+        if lock is None:
+            lock = self._locks[ws_id] = asyncio.Lock()
+        return lock
+
+    async def _in_mounted(
+        self, ws_id: str, owner: str, work: Callable[[GitHistory], T], *, fence: int | None = None
+    ) -> T:
+        files = await self._attach(ws_id, owner)
+        try:
+            steps = 0
+
+            def check() -> None:
+                nonlocal steps
+                steps += 1
+                if self.pause_steps and steps == 2:  # a step done, the commit not yet written
+                    log.critical("fault.pause_workspace_git", extra={"workspace": ws_id})
+                    time.sleep(FAULT_PAUSE)
+                if fence is not None and self.fences.get(ws_id, 0) > fence:
+                    log.warning(
+                        "workspace.lock_lost_stopped",
+                        extra={"workspace": ws_id, "fence": fence, "step": steps},
+                    )
+                    raise _lock_lost(ws_id)
+
+            git = GitHistory(
+                files.parent / GIT,
+                files,
+                uid=self.storage_uid,
+                gid=self.storage_uid,
+                check=check,
+            )
+            return await asyncio.to_thread(work, git)
+        finally:
+            await self._release(ws_id)
+
+    def _dir(self, ws_id: str) -> Path:
+        return self.root / ws_id
+
+    def _meta(self, ws_id: str) -> dict[str, Any] | None:
+        try:
+            meta = json.loads((self._dir(ws_id) / META).read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise WorkerError(f"workspace {ws_id}'s record is unreadable: {exc}") from exc
+        return meta if isinstance(meta, dict) else None
+
+    async def _attach(self, ws_id: str, owner: str) -> Path:
+        if self.problem is not None:
+            raise WorkerError(f"this worker cannot serve workspaces: {self.problem}")
+        meta = self._meta(ws_id)
+        if meta is None or meta.get("owner") != owner:
+            raise NotFoundError(f"workspace {ws_id} not found")
+        held = self.mounted.get(ws_id)
+        if held is None:
+            held = await asyncio.to_thread(self._mount, ws_id)
+            self.mounted[ws_id] = held
+        held.refs += 1
+        return held.point / FILES
+
+    async def _release(self, ws_id: str) -> None:
+        held = self.mounted.get(ws_id)
+        if held is None:
+            return
+        held.refs -= 1
+        if held.refs <= 0:
+            del self.mounted[ws_id]
+            await asyncio.to_thread(self._unmount, held)
+
+    def _mount(self, ws_id: str) -> _Mounted:
+        fd = os.open(self._dir(ws_id) / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConflictError(
+                f"workspace {ws_id} is mounted by another worker; retry once its sandboxes there "
+                "are gone",
+                code="workspace_busy",
+            ) from None
+        point = self.mounts_dir / ws_id
+        try:
+            point.mkdir(mode=0o711, exist_ok=True)
+            disk.mount_image(self._dir(ws_id) / IMAGE, point)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                point.rmdir()
+            os.close(fd)
+            raise
+        return _Mounted(point, fd)
+
+    def _unmount(self, held: _Mounted) -> None:
+        try:
+            if os.path.ismount(held.point):
+                disk.unmount(held.point)
+            with contextlib.suppress(OSError):
+                held.point.rmdir()
+        finally:
+            os.close(held.lock_fd)
+
+    def _make(self, ws_id: str, owner: str, quota_mb: int, author: Author) -> dict[str, Any]:
+        where = self._dir(ws_id)
+        if where.exists():  # an earlier attempt died before its record: start again
+            self._remove(ws_id)
+        where.mkdir(mode=0o700)
+        try:
+            disk.make_image(where / IMAGE, disk_mb=quota_mb)
+            held = self._mount(ws_id)
+            try:
+                for name, mode in ((FILES, 0o755), (GIT, 0o700)):
+                    path = held.point / name
+                    path.mkdir(mode=mode)
+                    os.chown(path, self.storage_uid, self.storage_uid)
+                    os.chmod(path, mode)
+                git = GitHistory(
+                    held.point / GIT, held.point / FILES, uid=self.storage_uid, gid=self.storage_uid
+                )
+                head: dict[str, Any] = git.init(author).to_json()
+            finally:
+                self._unmount(held)
+            record = {
+                "id": ws_id,
+                "owner": owner,
+                "quota_mb": quota_mb,
+                "created_at": utcnow().isoformat(),
+            }
+            part = where / (META + ".part")
+            part.write_text(json.dumps(record))
+            os.replace(part, where / META)
+            return head
+        except BaseException:
+            self._remove(ws_id)
+            raise
+
+    def _remove(self, ws_id: str) -> None:
+        where = self._dir(ws_id)
+        fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            fd = os.open(where / LOCK, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            if fd >= 0:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise ConflictError(
+                        f"workspace {ws_id} is mounted by another worker; delete its sandboxes "
+                        "there first",
+                        code="workspace_in_use",
+                    ) from None
+            (where / META).unlink(missing_ok=True)  # first: it is no longer complete
+            shutil.rmtree(where, ignore_errors=True)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+
+def _lock_lost(ws_id: str) -> ConflictError:
+    return ConflictError(
+        f"the lock of workspace {ws_id} was lost (its holder's store connection dropped) and "
+        "another operation took it; this one stopped before its next step: retry it",
+        code="workspace_lock_lost",
+    )
+
+
+def _probe_idmap(work: Path, uid: int) -> str | None:
+    """Why an idmapped bind cannot be made here, or None when one can."""
+    source, target = work / ".idmap-probe-src", work / ".idmap-probe-dst"
+    try:
+        for path in (source, target):
+            path.mkdir(mode=0o700, exist_ok=True)
+        os.chown(source, uid, uid)
+        idmap.bind(source, target, on_disk=uid, seen_as=uid + 1)
+        seen = os.stat(target).st_uid
+        idmap.unbind(target)
+        return None if seen == uid + 1 else "an idmapped mount did not map its owner"
+    except (OSError, WorkerError) as exc:
+        return f"no idmapped mounts here ({getattr(exc, 'message', None) or exc})"
+    finally:
+        with contextlib.suppress(OSError, WorkerError):
+            idmap.unbind(target)
+        for path in (source, target):
+            with contextlib.suppress(OSError):
+                path.rmdir()
