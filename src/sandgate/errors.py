@@ -249,6 +249,14 @@ WIRE_CODES: Mapping[str, type[SandgateError]] = MappingProxyType(
         "not_running": ConflictError,
         "process_exited": ConflictError,
         "connection_closed": ConflictError,  # the agent: a port connection writes no more
+        # workspaces (control/workspaces.py, worker/workspaces.py, worker/git_history.py)
+        "workspace_not_found": NotFoundError,
+        "commit_not_found": NotFoundError,
+        "workspace_exists": ConflictError,
+        "workspace_in_use": ConflictError,
+        "workspace_busy": ConflictError,  # mounted by another worker
+        "workspace_lock_lost": ConflictError,
+        "workspaces_apart": ConflictError,
         "storage_full": StorageFullError,
         "disk_quota_exceeded": DiskQuotaExceededError,
         # limits and availability
@@ -263,6 +271,7 @@ WIRE_CODES: Mapping[str, type[SandgateError]] = MappingProxyType(
         "queue_timeout": UnavailableError,
         "peer_misconfigured": UnavailableError,
         "delivery_skipped": UnavailableError,
+        "workspace_lock_busy": UnavailableError,
         "timeout": SandboxTimeoutError,
         # failures
         "worker_error": WorkerError,

@@ -27,6 +27,7 @@ from sandgate.api.routes import (
     sandboxes,
     system,
     templates,
+    workspaces,
 )
 from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission
@@ -44,6 +45,7 @@ from sandgate.control.supervisor import Loop, Supervisor
 from sandgate.control.templates import TemplateService
 from sandgate.control.toolbox import Toolbox
 from sandgate.control.workers import WorkerRegistry
+from sandgate.control.workspaces import WorkspaceService
 from sandgate.errors import TunnelUnavailableError
 from sandgate.faults import FAULTS
 from sandgate.store.base import WorkerName
@@ -76,6 +78,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
         toolbox = Toolbox(service, workers)
         jobs = ExecJobService(store, state, service, toolbox, settings, gate, node_url=node_url)
         templates_service = TemplateService(store, settings)
+        workspaces_service = WorkspaceService(store, workers, settings)
+        service.on_stopped = workspaces_service.auto_commit
         app.state.services = Services(
             settings,
             store,
@@ -90,6 +94,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             templates_service,
             BuildService(store, settings, templates_service, creates, toolbox, service),
             PortService(toolbox),
+            workspaces_service,
         )
         try:
             # this instance holds no tunnel yet: records naming it are from before a crash or
@@ -153,6 +158,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(ports.router)
     app.include_router(contexts.router)
     app.include_router(templates.router)
+    app.include_router(workspaces.router)
     app.include_router(system.router)
     app.include_router(internal.router)
     app.add_middleware(

@@ -25,6 +25,7 @@ from sandgate.control.state import ServerLocalState
 from sandgate.control.templates import TemplateService
 from sandgate.control.toolbox import Toolbox
 from sandgate.control.workers import WorkerRegistry
+from sandgate.control.workspaces import WorkspaceService
 from sandgate.core.credentials import key_hash
 from sandgate.errors import AuthError, ForbiddenError
 from sandgate.store.base import ApiKey, Store, TenantId
@@ -45,6 +46,7 @@ class Services:
     templates: TemplateService  # what a create may start from; image imports
     builds: BuildService  # templates built from steps, in the tenants' sandboxes
     ports: PortService  # connections to servers inside sandboxes (previews)
+    workspaces: WorkspaceService  # persistent trees with a git history
 
 
 def services(request: Request) -> Services:

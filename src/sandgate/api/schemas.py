@@ -79,6 +79,11 @@ class NetworkOut(BaseModel):
     recent_refusals: list[dict[str, Any]] = Field(default_factory=list)  # {at, target, reason}
 
 
+class WorkspaceMountIn(_In):
+    name: str
+    path: str = "/workspace"
+
+
 class CreateSandbox(_In):
     template: str = Field(default="default", min_length=1, max_length=128)
     timeout: float | None = Field(default=None, gt=0, description="seconds until it is reaped")
@@ -88,6 +93,11 @@ class CreateSandbox(_In):
     resources: Resources = Field(default_factory=Resources)
     # false: a cold start even where a worker has a warm pool of the template (benchmarks)
     pool: bool = True
+    # the tenant's persistent workspaces it mounts read-write: one at /workspace, or several
+    workspace: str | None = Field(default=None, description="a workspace mounted at /workspace")
+    workspaces: list[WorkspaceMountIn] | None = Field(
+        default=None, description="workspaces and where each is mounted"
+    )
 
     @field_validator("metadata")
     @classmethod
@@ -101,6 +111,33 @@ class CreateSandbox(_In):
     @classmethod
     def _env(cls, value: dict[str, str]) -> dict[str, str]:
         return _check_env(value)
+
+
+class CreateWorkspace(_In):
+    name: str = Field(min_length=1, max_length=63)
+    quota_mb: int | None = Field(default=None, description="its files and history together")
+
+
+class CommitIn(_In):
+    message: str = Field(default="", max_length=4096)
+
+
+class RestoreIn(_In):
+    commit: str = Field(min_length=4, max_length=40)
+
+
+class WorkspaceOut(BaseModel):
+    name: str
+    id: str
+    quota_mb: int
+    head: str | None  # its last commit
+    mounted_by: list[str]  # the sandboxes using it now
+    created_at: datetime
+    updated_at: datetime
+
+
+class WorkspaceList(BaseModel):
+    workspaces: list[WorkspaceOut]
 
 
 class TemplateOut(BaseModel):
@@ -137,6 +174,7 @@ class SandboxOut(BaseModel):
     network: bool
     network_policy: NetworkRules | None = None  # its rules, when it has some
     resources: dict[str, Any]
+    workspaces: list[dict[str, str]] = Field(default_factory=list)  # [{name, path}] it mounts
     timeout: float
     created_at: datetime
     started_at: datetime | None

@@ -23,6 +23,7 @@ from sandgate.control.workers import Placement, WorkerRegistry
 from sandgate.core import idempotency
 from sandgate.core.clock import utcnow
 from sandgate.core.names import new_sandbox_name
+from sandgate.core.workspaces import ResolvedMount
 from sandgate.errors import (
     AtCapacityError,
     CapacityConflictError,
@@ -64,6 +65,9 @@ class CreateRequest:
     # the network's rules (core/egress_policy), None: `network` alone (on or off)
     network_policy: dict[str, list[str]] | None = None
     image: dict[str, Any] | None = None  # a template's image (control/templates.py); None: built-in
+    # the tenant's workspaces it mounts (control/workspaces.py), and the worker they are on
+    workspaces: tuple[ResolvedMount, ...] = ()
+    worker: str | None = None
 
 
 @dataclass(frozen=True)
@@ -197,11 +201,7 @@ class CreatePipeline:
         # the common case, admitted at once, waits for one round trip instead of two. A pick
         # that is not used at once is dropped; the worker's row lock in the insert makes any
         # pick safe anyway.
-        early: asyncio.Future[Placement] | None = asyncio.ensure_future(
-            self.workers.pick(
-                network=request.network, need=request.resources, image=request.image is not None
-            )
-        )
+        early: asyncio.Future[Placement] | None = asyncio.ensure_future(self._pick(request))
         picked_at = asyncio.get_running_loop().time()
 
         async def place() -> tuple[Sandbox, Job]:
@@ -213,9 +213,7 @@ class CreatePipeline:
                 if ahead is not None:  # picked too long ago (this create queued): pick again
                     ahead.cancel()
                     await asyncio.gather(ahead, return_exceptions=True)
-                placement = await self.workers.pick(
-                    network=request.network, need=request.resources, image=request.image is not None
-                )
+                placement = await self._pick(request)
             return await self._accept(tenant, request, claim, name, placement)
 
         # A keyed create goes on when its client leaves the queue: the client's retry (same
@@ -241,6 +239,15 @@ class CreatePipeline:
             await self.admission.trial_outcome(name, success=True)
         return running
 
+    async def _pick(self, request: CreateRequest) -> Placement:
+        return await self.workers.pick(
+            network=request.network,
+            need=request.resources,
+            image=request.image is not None,
+            workspaces=bool(request.workspaces),
+            only=request.worker,
+        )
+
     async def _accept(
         self,
         tenant: TenantId,
@@ -265,6 +272,7 @@ class CreatePipeline:
             env=request.env,
             network=request.network,
             network_policy=request.network_policy,
+            workspaces=[m.to_json() for m in request.workspaces] or None,
             resources=request.resources,
             created_at=now,
             updated_at=now,
@@ -279,6 +287,11 @@ class CreatePipeline:
                 "template": request.template,
                 "pool": request.pool,
                 **({"image": request.image} if request.image is not None else {}),
+                **(
+                    {"workspaces": [m.to_json() for m in request.workspaces]}
+                    if request.workspaces
+                    else {}
+                ),
             },
         }
         job = Job(

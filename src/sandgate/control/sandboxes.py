@@ -5,6 +5,7 @@ extend, delete, stop, expire. The create pipeline (accept, deliver, recover) is
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import timedelta
 
@@ -37,6 +38,8 @@ class SandboxService:
         self.store = store
         self.state = state
         self.workers = workers
+        # after a sandbox with workspaces stopped: they are committed (control/workspaces.py)
+        self.on_stopped: Callable[[Sandbox, str], Awaitable[None]] | None = None
 
     # -- read --------------------------------------------------------------------------------
     async def get(self, tenant: TenantId, name: str) -> Sandbox:
@@ -130,6 +133,9 @@ class SandboxService:
         await self.store.fail_sandbox_jobs(sandbox.name, f"sandbox {state}", now)
         if moved:  # another instance that moved it first also takes it down
             await self.destroy_on_worker(sandbox)
+            if sandbox.workspaces and self.on_stopped is not None:
+                why = "expired" if reason == "timeout reached" else state
+                await self.on_stopped(sandbox, why)
         return moved
 
     async def destroy_on_worker(self, sandbox: Sandbox) -> None:

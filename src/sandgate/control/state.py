@@ -238,6 +238,13 @@ SERVER_STATE: Mapping[str, StateRow] = MappingProxyType(
             "exact: a sandbox name belongs to one tenant for good; whether it still runs is "
             "read through running_sandboxes (1 s) and its worker",
         ),
+        "WorkspaceLocks._local": StateRow(
+            "workspace git lock (SQLite): one asyncio lock per workspace",
+            "one per workspace committed or restored since the instance started",
+            "exact: SQLite serves one instance, so this lock is the deployment's; on "
+            "PostgreSQL it is unused: a session advisory lock per workspace on a connection of "
+            "its own, with a fence from the store the worker checks before each git step",
+        ),
         "PeerClient._links": StateRow(
             "serve loops of this instance's open peer links",
             "one per peer instance",

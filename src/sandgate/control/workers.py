@@ -327,6 +327,22 @@ class WorkerRegistry:
                 await asyncio.wait_for(asyncio.shield(session.disconnect(4408)), PROBE_LEAD)
         return error
 
+    async def offering(self, feature: str) -> str:
+        """A connected worker whose runtime reports `feature`, for work that takes no slot
+        (a workspace's image and history)."""
+        connected = False
+        for worker in await self.store.list_workers():
+            if await self.is_connected(worker.name):
+                connected = True
+                if worker.features.get(feature):
+                    return worker.name
+        if not connected:
+            raise NoCapacityError("no worker is connected", retry_after=5.0)
+        raise NotSupportedError(
+            f"no connected worker offers {feature} (that takes the bwrap runtime as root, with "
+            "loop devices and Linux >= 5.12)"
+        )
+
     async def is_connected(self, worker: str) -> bool:
         return self.local(worker) is not None or await self.owner(worker) is not None
 
@@ -336,10 +352,13 @@ class WorkerRegistry:
         network: bool = False,
         need: Mapping[str, Any] | None = None,
         image: bool = False,
+        workspaces: bool = False,
+        only: str | None = None,
     ) -> Placement:
         """The connected worker (through any instance) with the most free slots (then the
         most room left in its budget) that can hold a sandbox granted `need` (with `image`:
-        one whose runtime starts a template's own root file system)."""
+        one whose runtime starts a template's own root file system; with `workspaces`: one
+        that mounts workspaces; with `only`: that worker, the one its workspaces are on)."""
         need = need or {}
         best: tuple[tuple[int, float], Placement] | None = None
         offered = False
@@ -347,9 +366,13 @@ class WorkerRegistry:
         smaller: list[tuple[str, float]] = []  # workers that can never hold one this large
         imageless = 0
         for worker in await self.store.list_workers():
+            if only is not None and worker.name != only:
+                continue
             if not await self.is_connected(worker.name):
                 continue
             connected += 1
+            if workspaces and not worker.features.get("workspaces"):
+                continue
             if image and not worker.features.get("images"):
                 imageless += 1
                 continue
@@ -390,6 +413,16 @@ class WorkerRegistry:
                     'installed, and without --no-network); or create with "network": false'
                 )
             if not connected:
+                if only is not None:
+                    raise NoCapacityError(
+                        f"worker {only}, where this sandbox's workspaces are, is not connected",
+                        retry_after=5.0,
+                    )
                 raise NoCapacityError("no worker is connected", retry_after=5.0)
+            if workspaces and not offered:
+                raise NotSupportedError(
+                    "no connected worker mounts workspaces (that takes the bwrap runtime as "
+                    "root, with loop devices and Linux >= 5.12)"
+                )
             raise AtCapacityError("every connected worker is at capacity", retry_after=5.0)
         return best[1]

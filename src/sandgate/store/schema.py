@@ -124,6 +124,8 @@ sandboxes = Table(
     Column("expires_at", UTCDateTime, nullable=True),
     # the rules of a network that has some ({allow_out, deny_out}); null: `network` says all
     Column("network_policy", JSON, nullable=True),
+    # the workspaces it mounts ([{id, name, path, owner}], core/workspaces); null: none
+    Column("workspaces", JSON, nullable=True),
     PrimaryKeyConstraint("name", name="pk_sandboxes"),
     Index("ix_sandboxes_tenant_id_name", "tenant_id", "name"),
     Index("ix_sandboxes_state_expires_at", "state", "expires_at"),
@@ -323,6 +325,26 @@ templates = Table(
     Column("size", BigInteger, nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
     PrimaryKeyConstraint("owner", "name", name="pk_templates"),
+)
+
+# persistent workspaces (control/workspaces.py): a tenant's tree with a git history, stored on
+# the workers' shared workspace root; `worker` is the one whose host last had it mounted
+# (operations go there first); `fence` counts the holders of its advisory lock
+workspaces = Table(
+    "workspaces",
+    metadata,
+    Column("id", Text, nullable=False),
+    Column("tenant_id", Text, nullable=False),
+    Column("name", Text, nullable=False),
+    Column("quota_mb", Integer, nullable=False),
+    Column("state", Text, nullable=False),  # creating | ready | deleting
+    Column("worker", Text, nullable=True),
+    Column("fence", BigInteger, nullable=False),
+    Column("head", Text, nullable=True),  # the sha of its last commit, as last seen
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+    PrimaryKeyConstraint("id", name="pk_workspaces"),
+    UniqueConstraint("tenant_id", "name", name="uq_workspaces_tenant_id_name"),
 )
 
 blobs = Table(

@@ -26,6 +26,7 @@ from sandgate.control.create import CreateRequest
 from sandgate.control.templates import Resolved
 from sandgate.core import caps
 from sandgate.core.egress_policy import NetworkPolicy, parse_policy
+from sandgate.core.workspaces import ResolvedMount, parse_mounts
 from sandgate.errors import InvalidRequestError
 from sandgate.store.base import Sandbox, SandboxFilter, SandboxName, TenantId
 
@@ -59,6 +60,9 @@ def sandbox_out(sandbox: Sandbox) -> dict[str, Any]:
             else NetworkRules.model_validate(sandbox.network_policy)
         ),
         resources=sandbox.resources,
+        workspaces=[
+            {"name": m.get("name", ""), "path": m.get("path", "")} for m in sandbox.workspaces or ()
+        ],
         timeout=sandbox.timeout,
         created_at=sandbox.created_at,
         started_at=sandbox.started_at,
@@ -68,7 +72,10 @@ def sandbox_out(sandbox: Sandbox) -> dict[str, Any]:
 
 
 def create_request(
-    body: CreateSandbox, settings: ServerSettings, template: Resolved
+    body: CreateSandbox,
+    settings: ServerSettings,
+    template: Resolved,
+    mounts: tuple[tuple[ResolvedMount, ...], str | None] = ((), None),
 ) -> CreateRequest:
     """What the create pipeline is asked for: the deployment's defaults filled in, its caps
     checked, its template resolved (the native API and E2B's both create through this)."""
@@ -89,6 +96,8 @@ def create_request(
         body=body.model_dump(mode="json") | {"timeout": timeout, "resources": resources},
         pool=body.pool,
         image=template.image,
+        workspaces=mounts[0],
+        worker=mounts[1],
     )
 
 
@@ -101,8 +110,15 @@ async def create_sandbox(
     idempotency_key: Annotated[str | None, Header()] = None,
 ) -> JSONResponse:
     template = await svc.templates.resolve(who, body.template)
-    request = create_request(body, svc.settings, template)
+    wanted = parse_mounts(
+        body.workspace,
+        None if body.workspaces is None else [m.model_dump() for m in body.workspaces],
+    )
+    mounts = await svc.workspaces.resolve(who, wanted)
+    request = create_request(body, svc.settings, template, mounts)
     result = await svc.creates.create(who, request, idempotency_key, http.is_disconnected)
+    if mounts[0] and result.sandbox.worker is not None:
+        await svc.workspaces.placed(mounts[0], result.sandbox.worker)
     if result.replayed:
         return JSONResponse(
             sandbox_out(result.sandbox), status_code=200, headers={"Idempotent-Replayed": "true"}

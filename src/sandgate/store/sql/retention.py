@@ -151,6 +151,13 @@ class Retention:
 # What each store table is bounded by; rendered into docs/state.md.
 STORE_GROWTH: Final[tuple[tuple[str, str, str], ...]] = (
     (
+        "workspaces",
+        "one row per workspace a tenant creates",
+        "made and deleted by the tenants explicitly, at most `--max-workspaces` per tenant "
+        "(default 100); the tree and history are files on the workspace root, bounded by "
+        "each one's quota_mb",
+    ),
+    (
         "templates",
         "one row per imported template",
         "made and deleted by the tenants (and admins, for public ones) explicitly; an import "

@@ -57,6 +57,7 @@ def sandbox(row: Row[Any]) -> Sandbox:
         env=row.env,
         network=row.network,
         network_policy=row.network_policy,
+        workspaces=row.workspaces,
         resources=row.resources,
         created_at=row.created_at,
         updated_at=row.updated_at,

@@ -233,6 +233,7 @@ class Sandboxes:
                     "env": sandbox.env,
                     "network": sandbox.network,
                     "network_policy": sandbox.network_policy,
+                    "workspaces": sandbox.workspaces,
                     "resources": sandbox.resources,
                     "worker": sandbox.worker,
                     "error": sandbox.error,

@@ -24,6 +24,7 @@ from sandgate.store.sql.retention import Retention
 from sandgate.store.sql.sandboxes import MetadataCondition, Sandboxes
 from sandgate.store.sql.templates import Templates
 from sandgate.store.sql.tenants import Tenants
+from sandgate.store.sql.workspaces import Workspaces
 
 
 class SqlStore:
@@ -62,6 +63,18 @@ class SqlStore:
         self.finish_job = jobs.finish_job
         self.fail_sandbox_jobs = jobs.fail_sandbox_jobs
         self.claim_stale_jobs = jobs.claim_stale_jobs
+
+        workspaces = Workspaces(db)
+        self.insert_workspace = workspaces.insert_workspace
+        self.get_workspace = workspaces.get_workspace
+        self.get_workspace_by_id = workspaces.get_workspace_by_id
+        self.list_workspaces = workspaces.list_workspaces
+        self.set_workspace_state = workspaces.set_workspace_state
+        self.move_workspace = workspaces.move_workspace
+        self.next_workspace_fence = workspaces.next_workspace_fence
+        self.set_workspace_head = workspaces.set_workspace_head
+        self.delete_workspace = workspaces.delete_workspace
+        self.workspace_users = workspaces.workspace_users
 
         fleet = Fleet(db)
         self.upsert_worker = fleet.upsert_worker
