@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Final
 
 from sandgate.errors import WorkerError
+from sandgate.worker.cgroups import unescape_mountinfo
 
 # x86_64 and aarch64 share these numbers (they are from the common syscall table)
 _SYS_OPEN_TREE: Final = 428
@@ -116,13 +117,24 @@ def bind(source: Path, target: Path, *, on_disk: int, seen_as: int) -> None:
         os.close(userns)
 
 
+def is_mount(path: Path) -> bool:
+    """Whether `path` is a mount point: read from mountinfo, since `os.path.ismount` misses a
+    bind of a directory of the same file system (same device, as the probe's is)."""
+    wanted = str(path.absolute())
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return any(unescape_mountinfo(line.split()[4]) == wanted for line in f)
+    except OSError:
+        return os.path.ismount(path)
+
+
 def unbind(target: Path) -> None:
     """Undo `bind` (lazily when busy: the sandbox's namespace may still hold it briefly)."""
-    if not os.path.ismount(target):
+    if not is_mount(target):
         return
     done = subprocess.run(["umount", str(target)], capture_output=True, timeout=30)
     if done.returncode != 0:
         with contextlib.suppress(subprocess.SubprocessError, OSError):
             subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=30)
-    if os.path.ismount(target):
+    if is_mount(target):
         raise WorkerError(f"cannot unmount {target}")

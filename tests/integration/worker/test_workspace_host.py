@@ -1,0 +1,128 @@
+"""A worker's workspaces on a real host (root, loop devices, idmapped mounts): the probe
+leaves nothing mounted, the owner is checked, one host mounts an image at a time, binds map
+the storage uid to the sandbox's, and a lower fence stops before touching git."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sandgate.core.workspaces import new_workspace_id
+from sandgate.errors import ConflictError, NotFoundError
+from sandgate.worker import disk, idmap
+from sandgate.worker.git_history import Author, GitHistory
+from sandgate.worker.workspaces import STORAGE_UID, WorkspaceHost
+
+pytestmark = pytest.mark.anyio
+
+AUTHOR = Author("alpha", "alpha@tenants.sandgate")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None:
+        pytest.skip("workspaces need root and e2fsprogs")
+    where = Path("/var/lib/sandgate-test") / f"wshost-{os.getpid()}-{new_workspace_id()[3:11]}"
+    where.mkdir(parents=True)
+    try:
+        yield where
+    finally:
+        disk.unmount_leftovers(where)
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def host(base: Path, name: str) -> WorkspaceHost:
+    ws = WorkspaceHost(base / "root", base / name / "mounts")
+    ws.prepare(disk_problem=None)
+    assert ws.problem is None, ws.problem
+    return ws
+
+
+def mounted_below(path: Path) -> list[Path]:
+    return disk.mounts_below(path)
+
+
+async def test_probe_create_attach_bind_release(base: Path) -> None:
+    one = host(base, "w1")
+    assert mounted_below(base) == []  # the probe's bind is gone
+    ws_id = new_workspace_id()
+    head = await one.create(ws_id, "alpha", 16, AUTHOR)
+    assert head["message"].startswith("Workspace created")
+    assert (await one.create(ws_id, "alpha", 16, AUTHOR))["sha"] == head["sha"]  # a retry
+    with pytest.raises(ConflictError):
+        await one.create(ws_id, "beta", 16, AUTHOR)
+    assert mounted_below(base) == []  # mounted only while in use
+
+    with pytest.raises(NotFoundError):
+        await one.attach(ws_id, "beta")  # the owner recorded with it is checked
+    files = await one.attach(ws_id, "alpha")
+    assert await one.attach(ws_id, "alpha") == files  # one mount, counted twice
+    target = base / "sandbox-ws0"
+    target.mkdir()
+    one.bind(files, target, 201234)
+    as_sandbox = ["setpriv", "--reuid=201234", "--regid=201234", "--clear-groups"]
+    subprocess.run([*as_sandbox, "sh", "-c", f"echo x > {target}/f"], check=True)  # noqa: ASYNC221
+    assert os.stat(target / "f").st_uid == 201234  # its own, seen through its bind
+    with pytest.raises(OSError):  # an uid the bind does not map (root here) writes nothing
+        (target / "g").write_text("x")
+    assert os.stat(files / "f").st_uid == STORAGE_UID  # stored as the storage uid
+    idmap.unbind(target)
+    assert not idmap.is_mount(target)
+
+    # a second worker on the same root cannot mount it while the first has it
+    two = host(base, "w2")
+    with pytest.raises(ConflictError) as busy:
+        await two.attach(ws_id, "alpha")
+    assert busy.value.code == "workspace_busy"
+    with pytest.raises(ConflictError):
+        await two.delete(ws_id, "alpha")
+    await one.release(ws_id)
+    assert idmap.is_mount(files.parent)
+    await one.release(ws_id)
+    assert mounted_below(base) == []
+    assert await two.attach(ws_id, "alpha") == base / "w2" / "mounts" / ws_id / "files"
+    await two.release(ws_id)
+    assert await two.delete(ws_id, "alpha")
+    assert not (base / "root" / ws_id).exists()
+
+
+async def test_a_lower_fence_stops_before_git(base: Path) -> None:
+    one = host(base, "w1")
+    ws_id = new_workspace_id()
+    await one.create(ws_id, "alpha", 16, AUTHOR)
+    started = asyncio.Event()
+    release = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def slow(git: GitHistory) -> str:
+        loop.call_soon_threadsafe(started.set)
+        asyncio.run_coroutine_threadsafe(release.wait(), loop).result()
+        return git.commit("late", AUTHOR).commit.sha
+
+    first = asyncio.ensure_future(one.run(ws_id, "alpha", 1, slow))
+    await started.wait()
+    second = asyncio.ensure_future(
+        one.run(ws_id, "alpha", 2, lambda git: git.commit("newer", AUTHOR).created)
+    )
+    await asyncio.sleep(0.05)  # the newer fence has arrived and waits its turn
+    release.set()
+    with pytest.raises(ConflictError) as lost:
+        await first
+    assert lost.value.code == "workspace_lock_lost"
+    assert await second is False  # nothing changed; and it ran
+    with pytest.raises(ConflictError):
+        await one.run(ws_id, "alpha", 1, lambda git: None)  # an old fence never runs again
+    log = await one.run(ws_id, "alpha", None, lambda git: git.log(limit=10)[0])
+    assert [c.message.splitlines()[0] for c in log] == ["Workspace created"]
+    assert mounted_below(base) == []
