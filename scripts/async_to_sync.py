@@ -76,6 +76,8 @@ NAMES = {
     "AsyncProcess": "Process",
     "AsyncCodeContexts": "CodeContexts",
     "AsyncTerminal": "Terminal",
+    "AsyncWorkspaces": "Workspaces",
+    "AsyncWorkspace": "Workspace",
     "_AsyncApi": "_Api",
     "_AsyncExecJobs": "_ExecJobs",
     # the standard library, httpx and websockets

@@ -177,11 +177,12 @@ _add_run_commands()
 
 def _add_client_commands() -> None:
     """The commands that talk to a running API through the SDK (`sandgate.client`)."""
-    from sandgate.cli import cp, exec_jobs, run_code, sandbox, shell, templates
+    from sandgate.cli import cp, exec_jobs, run_code, sandbox, shell, templates, workspaces
 
     app.add_typer(sandbox.app, name="sandbox")
     app.add_typer(exec_jobs.app, name="exec-job")
     app.add_typer(templates.app, name="templates")
+    app.add_typer(workspaces.app, name="workspace")
     app.command("cp")(cp.cp)
     app.command("shell")(shell.shell)
     app.command("run-code")(run_code.run_code)

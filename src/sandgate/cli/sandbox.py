@@ -117,9 +117,18 @@ def create(
     idempotency_key: Annotated[
         str | None, typer.Option(help="the same key never makes a second sandbox")
     ] = None,
+    workspace: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--workspace",
+            "-w",
+            help="NAME[:PATH]: mount a persistent workspace (at /workspace unless PATH); repeat",
+        ),
+    ] = None,
 ) -> None:
     """Create a sandbox and print its name."""
     policy = network_policy(network, allow_out, deny_out)
+    mounts = workspace_mounts(workspace)
     with reported_errors(), connect(url, api_key) as client:
         box = client.sandboxes.create(
             template=template,
@@ -128,8 +137,20 @@ def create(
             env=pairs(env, "--env"),
             network=policy or None,
             idempotency_key=idempotency_key,
+            workspaces=mounts or None,
         )
         typer.echo(box.name)
+
+
+def workspace_mounts(values: list[str] | None) -> list[str | tuple[str, str]]:
+    """`--workspace NAME[:PATH]` options as the SDK's mounts: a name alone goes at /workspace."""
+    mounts: list[str | tuple[str, str]] = []
+    for item in values or ():
+        name, sep, path = item.partition(":")
+        if not name or (sep and not path):
+            raise typer.BadParameter(f"{item!r} is not NAME or NAME:PATH", param_hint="--workspace")
+        mounts.append((name, path) if sep else name)
+    return mounts
 
 
 def network_policy(

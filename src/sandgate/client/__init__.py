@@ -10,12 +10,21 @@ with Sandgate() as sg:  # $SANDGATE_URL / $SANDGATE_API_KEY, else a local `sandg
     job = box.wait_exec_job(box.submit_exec_job("make test").id)  # run once, in the background
     box.files.write("data.csv", Path("data.csv"))
     box.delete()
+    ws = sg.workspaces.create("proj")  # files that outlive sandboxes, with a git history
+    sg.sandboxes.create(workspace=ws).run("echo hi > notes.txt"); ws.commit("notes")
 ```
 
 The reference is docs/client.md.
 """
 
-from sandgate.client._async import AsyncSandbox, AsyncSandboxes, AsyncSandgate, AsyncTemplates
+from sandgate.client._async import (
+    AsyncSandbox,
+    AsyncSandboxes,
+    AsyncSandgate,
+    AsyncTemplates,
+    AsyncWorkspace,
+    AsyncWorkspaces,
+)
 from sandgate.client._async_toolbox import (
     AsyncCodeContexts,
     AsyncFiles,
@@ -24,7 +33,7 @@ from sandgate.client._async_toolbox import (
     AsyncTerminal,
 )
 from sandgate.client._base import DEFAULT_URL, KEY_FILE, Progress, RetryPolicy
-from sandgate.client._sync import Sandbox, Sandboxes, Sandgate, Templates
+from sandgate.client._sync import Sandbox, Sandboxes, Sandgate, Templates, Workspace, Workspaces
 from sandgate.client._sync_toolbox import CodeContexts, Files, Process, Processes, Terminal
 from sandgate.client.errors import (
     APIConnectionError,
@@ -45,12 +54,17 @@ from sandgate.client.errors import (
 )
 from sandgate.client.models import (
     CodeContext,
+    Commit,
+    CommitAuthor,
+    CommitDiff,
+    CommitResult,
     ExecJob,
     ExecJobState,
     ExecResult,
     Execution,
     ExecutionError,
     FileEntry,
+    FileStat,
     NetworkState,
     OutputEvent,
     OutputMessage,
@@ -59,7 +73,10 @@ from sandgate.client.models import (
     PtyToken,
     Result,
     SandboxInfo,
+    SkippedFile,
     TemplateInfo,
+    WorkspaceInfo,
+    WorkspaceMount,
 )
 
 __all__ = (
@@ -76,10 +93,16 @@ __all__ = (
     "AsyncSandgate",
     "AsyncTemplates",
     "AsyncTerminal",
+    "AsyncWorkspace",
+    "AsyncWorkspaces",
     "AuthenticationError",
     "BuildFailedError",
     "CodeContext",
     "CodeContexts",
+    "Commit",
+    "CommitAuthor",
+    "CommitDiff",
+    "CommitResult",
     "ConflictError",
     "ExecJob",
     "ExecJobState",
@@ -88,6 +111,7 @@ __all__ = (
     "Execution",
     "ExecutionError",
     "FileEntry",
+    "FileStat",
     "Files",
     "GatewayTimeoutError",
     "InvalidRequestError",
@@ -112,8 +136,13 @@ __all__ = (
     "Sandgate",
     "SandgateError",
     "ServerError",
+    "SkippedFile",
     "TemplateInfo",
     "Templates",
     "Terminal",
     "UnavailableError",
+    "Workspace",
+    "WorkspaceInfo",
+    "WorkspaceMount",
+    "Workspaces",
 )

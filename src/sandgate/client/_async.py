@@ -2,10 +2,11 @@
 """The asyncio client, `AsyncSandgate`, and the source of the blocking one.
 
 The asyncio client is three modules: this one (`AsyncSandgate`, `AsyncSandboxes`,
-`AsyncSandbox`), `_async_api.py` (`_AsyncApi`: the HTTP session and its retry loop) and
-`_async_toolbox.py` (`AsyncFiles`, `AsyncProcesses`, `AsyncProcess`, `AsyncTerminal`). Each
-`_async*.py` generates its `_sync*.py` twin (`_sync.py`: `Sandgate`) by
-`scripts/async_to_sync.py`: `async` and `await` go, the names map (`AsyncSandbox` -> `Sandbox`,
+`AsyncSandbox`, `AsyncTemplates`, `AsyncWorkspaces`, `AsyncWorkspace`), `_async_api.py`
+(`_AsyncApi`: the HTTP session and its retry loop) and `_async_toolbox.py` (`AsyncFiles`,
+`AsyncProcesses`, `AsyncProcess`, `AsyncTerminal`). Each `_async*.py` generates its
+`_sync*.py` twin (`_sync.py`: `Sandgate`) by `scripts/async_to_sync.py`: `async` and `await`
+go, the names map (`AsyncSandbox` -> `Sandbox`,
 `aclose` -> `close`, `_async_api` -> `_sync_api`, ...), worker-thread calls become plain calls,
 and an `if ASYNC: ... else: ...` block keeps its `else` there. So change the SDK here, then run
 the script; `scripts/check` fails when a `_sync*.py` is stale.
@@ -48,10 +49,12 @@ from sandgate.client._base import (
     EXEC_JOB_FIRST_POLL,
     EXEC_JOB_POLL,
     TEMPLATE_IMPORT_READ_TIMEOUT,
+    Mounts,
     Progress,
     Safety,
     Upload,
     UploadData,
+    WorkspaceRef,
     auth_headers,
     check_poll,
     create_body,
@@ -60,12 +63,16 @@ from sandgate.client._base import (
     exec_job_body,
     exec_job_timeout,
     list_params,
+    mounts_body,
     network_body,
     ws_url,
 )
 from sandgate.client.errors import APIConnectionError, BuildFailedError
 from sandgate.client.models import (
     CodeContext,
+    Commit,
+    CommitDiff,
+    CommitResult,
     ExecJob,
     ExecResult,
     Execution,
@@ -77,9 +84,15 @@ from sandgate.client.models import (
     Result,
     SandboxInfo,
     TemplateInfo,
+    WorkspaceInfo,
 )
 
 ASYNC = True  # `if ASYNC: <asyncio> else: <blocking>`: scripts/async_to_sync.py keeps the else
+
+# a workspace's commit or restore: the server waits up to 300 s for the worker's git (a large
+# tree), so the answer may take that long
+WORKSPACE_GIT_READ_TIMEOUT = 330.0
+LOG_PAGE_MAX = 500  # the most commits one page of a workspace's log holds
 
 
 class AsyncSandgate:
@@ -104,6 +117,7 @@ class AsyncSandgate:
         self._api = _AsyncApi(url, api_key, timeout, max_retries)
         self.sandboxes = AsyncSandboxes(self._api)
         self.templates = AsyncTemplates(self._api)
+        self.workspaces = AsyncWorkspaces(self._api)
 
     @property
     def url(self) -> str:
@@ -307,6 +321,159 @@ def _context_bytes(context: UploadData) -> bytes:
     return context.read()
 
 
+class AsyncWorkspaces:
+    """The tenant's persistent workspaces: `client.workspaces`. A workspace is a tree of files
+    that outlives sandboxes (mounted with `sandboxes.create(workspace=...)`), with a git
+    history of commits."""
+
+    def __init__(self, api: _AsyncApi) -> None:
+        self._api = api
+
+    def _wrap(self, body: dict[str, Any]) -> AsyncWorkspace:
+        return AsyncWorkspace(_api=self._api, **WorkspaceInfo.fields_from_json(body))
+
+    async def create(self, name: str, quota_mb: int | None = None) -> AsyncWorkspace:
+        """Make workspace `name` (empty, with a first commit), `quota_mb` for its files and
+        history together (server default). `ConflictError` (`workspace_exists`) when the
+        tenant has one of that name. Retried only when the request never left."""
+        body: dict[str, Any] = {"name": name}
+        if quota_mb is not None:
+            body["quota_mb"] = quota_mb
+        answer = await self._api.json(
+            "POST",
+            "/api/v1/workspaces",
+            safety=Safety.UNSAFE,  # a repeat after it was made would answer 409
+            json=body,
+            timeouts=self._api.stream_timeout(CREATE_READ_TIMEOUT),
+        )
+        return self._wrap(answer)
+
+    async def list(self) -> builtins.list[AsyncWorkspace]:
+        """The tenant's workspaces."""
+        body = await self._api.json("GET", "/api/v1/workspaces", safety=Safety.IDEMPOTENT)
+        return [self._wrap(item) for item in body["workspaces"]]
+
+    async def get(self, name: str) -> AsyncWorkspace:
+        body = await self._api.json("GET", f"/api/v1/workspaces/{name}", safety=Safety.IDEMPOTENT)
+        return self._wrap(body)
+
+    async def delete(self, name: str) -> None:
+        """Delete it, files and history. `ConflictError` (`workspace_in_use`) while sandboxes
+        mount it."""
+        await self._api.request(
+            "DELETE",
+            f"/api/v1/workspaces/{name}",
+            safety=Safety.IDEMPOTENT,
+            gone_ok=True,
+            timeouts=self._api.stream_timeout(CREATE_READ_TIMEOUT),
+        )
+
+
+def _sha(commit: Commit | str) -> str:
+    return commit.sha if isinstance(commit, Commit) else commit
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
+class AsyncWorkspace(WorkspaceInfo):
+    """A workspace: its description (as of the last answer) and its history."""
+
+    _api: _AsyncApi
+
+    def __repr__(self) -> str:
+        return f"AsyncWorkspace({self.describe()})"
+
+    @property
+    def _path(self) -> str:
+        return f"/api/v1/workspaces/{self.name}"
+
+    async def refresh(self) -> AsyncWorkspace:
+        body = await self._api.json("GET", self._path, safety=Safety.IDEMPOTENT)
+        for key, value in WorkspaceInfo.fields_from_json(body).items():
+            setattr(self, key, value)
+        return self
+
+    async def delete(self) -> None:
+        """As `AsyncWorkspaces.delete`."""
+        await self._api.request(
+            "DELETE",
+            self._path,
+            safety=Safety.IDEMPOTENT,
+            gone_ok=True,
+            timeouts=self._api.stream_timeout(CREATE_READ_TIMEOUT),
+        )
+
+    async def _git(self, path: str, body: dict[str, Any]) -> CommitResult:
+        answer = await self._api.json(
+            "POST",
+            f"{self._path}/{path}",
+            # a repeat changes nothing more: it finds the tree as the first attempt left it
+            safety=Safety.IDEMPOTENT,
+            json=body,
+            timeouts=self._api.stream_timeout(WORKSPACE_GIT_READ_TIMEOUT),
+        )
+        result = CommitResult.from_json(answer)
+        self.head = result.commit.sha
+        return result
+
+    async def commit(self, message: str = "") -> CommitResult:
+        """Snapshot its files (as the sandboxes mounting it see them now) as a commit.
+        `created` is False when nothing changed since the last one (`commit` is then the
+        head); `skipped` lists files left out for their size."""
+        return await self._git("commits", {"message": message})
+
+    async def restore(self, commit: Commit | str) -> CommitResult:
+        """Bring its files back to `commit` (a `Commit` or a sha, at least 4 hex digits). The
+        current state is committed first and the restore is a commit of its own, so nothing
+        is lost; sandboxes mounting it see the files change at once."""
+        return await self._git("restore", {"commit": _sha(commit)})
+
+    async def log(self, limit: int | None = 50) -> builtins.list[Commit]:
+        """Its commits, newest first: at most `limit` (None: all), fetching as many pages as
+        that takes."""
+        if limit is not None and limit < 1:
+            raise ValueError("limit must be at least 1 (or None: all)")
+        found: builtins.list[Commit] = []
+        start: str | None = None
+        while limit is None or len(found) < limit:
+            want = LOG_PAGE_MAX if limit is None else min(limit - len(found), LOG_PAGE_MAX)
+            page, start = await self._log_page(want, start)
+            found += [Commit.from_json(body) for body in page]
+            if start is None:
+                break
+        return found
+
+    async def iter_log(
+        self, *, start: Commit | str | None = None, page_size: int = 100
+    ) -> AsyncIterator[Commit]:
+        """Its whole history from `start` (default: the head), newest first, fetching one
+        page of `page_size` (1-500) commits at a time as the iteration goes."""
+        at = None if start is None else _sha(start)
+        while True:
+            page, at = await self._log_page(page_size, at)
+            for body in page:
+                yield Commit.from_json(body)
+            if at is None:
+                return
+
+    async def _log_page(
+        self, limit: int, start: str | None
+    ) -> tuple[builtins.list[dict[str, Any]], str | None]:
+        params: dict[str, Any] = {"limit": limit}
+        if start is not None:
+            params["start"] = start
+        answer = await self._api.json(
+            "GET", f"{self._path}/commits", safety=Safety.IDEMPOTENT, params=params
+        )
+        following = answer.get("next")
+        return list(answer["commits"]), following or None
+
+    async def diff(self, commit: Commit | str) -> CommitDiff:
+        """`commit` (a `Commit` or a sha) and what it changed against its parent: the files
+        (lines added and deleted) and the patch."""
+        path = f"{self._path}/commits/{_sha(commit)}"
+        return CommitDiff.from_json(await self._api.json("GET", path, safety=Safety.IDEMPOTENT))
+
+
 class AsyncSandboxes:
     def __init__(self, api: _AsyncApi) -> None:
         self._api = api
@@ -324,13 +491,19 @@ class AsyncSandboxes:
         network: bool | Mapping[str, Sequence[str]] | None = None,
         resources: Mapping[str, float] | None = None,
         idempotency_key: str | None = None,
+        workspace: WorkspaceRef | None = None,
+        workspaces: Mounts | None = None,
     ) -> AsyncSandbox:
         """Create a sandbox and wait until it runs. Every retry of this call carries one
         Idempotency-Key (`idempotency_key`, or a fresh uuid4), so it makes one sandbox.
         `network`: False (none), True (the public internet) or rules, e.g.
-        ``{"allow_out": ["pypi.org", "*.github.com"]}`` (docs/api.md, Network)."""
+        ``{"allow_out": ["pypi.org", "*.github.com"]}`` (docs/api.md, Network).
+        `workspace`: a persistent workspace (its name or the object) mounted read-write at
+        /workspace; `workspaces`: more, each where it goes, as ``[("proj", "/mnt/proj")]``,
+        ``[{"name": "proj", "path": "/mnt/proj"}]`` or ``{"/mnt/proj": "proj"}``."""
         key = idempotency_key or str(uuid.uuid4())
         body = create_body(template, timeout, metadata, env, network, resources)
+        body.update(mounts_body(workspace, workspaces))
         answer = await self._api.json(
             "POST",
             "/api/v1/sandboxes",

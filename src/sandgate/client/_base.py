@@ -41,6 +41,8 @@ from sandgate.client.models import (
     OutputEvent,
     OutputMessage,
     Result,
+    WorkspaceInfo,
+    WorkspaceMount,
 )
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -252,6 +254,52 @@ def create_body(
         body["network"] = network_body(network)
     if resources:
         body["resources"] = dict(resources)
+    return body
+
+
+WorkspaceRef: TypeAlias = "str | WorkspaceInfo"  # a workspace by name, or the object itself
+# one mount: (workspace, path), {"name": ..., "path": ...}, a WorkspaceMount (a sandbox's
+# `.workspaces`), or a bare workspace (mounted at /workspace)
+MountSpec: TypeAlias = (
+    "WorkspaceRef | WorkspaceMount | tuple[WorkspaceRef, str] | Mapping[str, str]"
+)
+# `workspaces=` of a sandbox create: a list of mounts, or a {path: workspace} mapping
+Mounts: TypeAlias = "Sequence[MountSpec] | Mapping[str, WorkspaceRef]"
+
+
+def _workspace_name(ref: WorkspaceRef) -> str:
+    return ref.name if isinstance(ref, WorkspaceInfo) else str(ref)
+
+
+def _mount(spec: MountSpec) -> dict[str, str]:
+    if isinstance(spec, WorkspaceMount):
+        return {"name": spec.name, "path": spec.path}
+    if isinstance(spec, str | WorkspaceInfo):
+        return {"name": _workspace_name(spec)}
+    if isinstance(spec, tuple):
+        name, path = spec
+        return {"name": _workspace_name(name), "path": str(path)}
+    if isinstance(spec, Mapping) and "name" in spec and not set(spec) - {"name", "path"}:
+        return {str(k): str(v) for k, v in spec.items()}
+    raise TypeError(
+        f"a workspace mount is (name, path), {{'name': ..., 'path': ...}} or a name, not {spec!r}"
+    )
+
+
+def mounts_body(workspace: WorkspaceRef | None, workspaces: Mounts | None) -> dict[str, Any]:
+    """The workspace fields of a sandbox create: `workspace` (mounted at /workspace) and
+    `workspaces` as [{name, path}]; the server checks names, paths and overlaps."""
+    body: dict[str, Any] = {}
+    if workspace is not None:
+        body["workspace"] = _workspace_name(workspace)
+    if workspaces is not None:
+        if isinstance(workspaces, Mapping):
+            items = [{"name": _workspace_name(n), "path": p} for p, n in workspaces.items()]
+        elif isinstance(workspaces, str | WorkspaceInfo | WorkspaceMount):
+            items = [_mount(workspaces)]  # one mount where a list was meant
+        else:
+            items = [_mount(spec) for spec in workspaces]
+        body["workspaces"] = items
     return body
 
 

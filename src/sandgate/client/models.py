@@ -25,6 +25,8 @@ class SandboxInfo:
     # its rules ({"allow_out": [...], "deny_out": [...]}) when it has some
     network_policy: dict[str, list[str]] | None = None
     resources: dict[str, Any] = field(default_factory=dict)
+    # the persistent workspaces it mounts read-write, and where
+    workspaces: list[WorkspaceMount] = field(default_factory=list)
     timeout: float = 0.0
     created_at: datetime | None = None
     started_at: datetime | None = None
@@ -46,6 +48,7 @@ class SandboxInfo:
             "network": bool(body.get("network", False)),
             "network_policy": body.get("network_policy"),
             "resources": dict(body.get("resources") or {}),
+            "workspaces": [WorkspaceMount.from_json(m) for m in body.get("workspaces") or []],
             "timeout": float(body.get("timeout") or 0.0),
             "created_at": _time(body.get("created_at")),
             "started_at": _time(body.get("started_at")),
@@ -449,4 +452,156 @@ class TemplateInfo:
             user=str(body.get("user") or ""),
             cmd=[str(x) for x in body.get("cmd") or []],
             created_at=_time(body.get("created_at")),
+        )
+
+
+# ------------------------------------------------------------------------------ workspaces
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkspaceMount:
+    """A workspace a sandbox mounts, and the path it is mounted at."""
+
+    name: str
+    path: str = "/workspace"
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> WorkspaceMount:
+        return cls(name=str(body["name"]), path=str(body.get("path") or "/workspace"))
+
+
+@dataclass(kw_only=True)
+class WorkspaceInfo:
+    """A persistent workspace as the server described it when this object was made (see
+    `refresh()`): a tree of files that outlives sandboxes, with a git history."""
+
+    name: str
+    id: str = ""
+    quota_mb: int = 0  # its files and history together
+    head: str | None = None  # the sha of its last commit
+    mounted_by: list[str] = field(default_factory=list)  # the sandboxes that mount it now
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+    def describe(self) -> str:
+        """`name=..., head=..., ...`: the description fields, for a subclass's repr."""
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(WorkspaceInfo))
+
+    @staticmethod
+    def fields_from_json(body: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "name": str(body["name"]),
+            "id": str(body.get("id", "")),
+            "quota_mb": int(body.get("quota_mb") or 0),
+            "head": body.get("head"),
+            "mounted_by": [str(n) for n in body.get("mounted_by") or []],
+            "created_at": _time(body.get("created_at")),
+            "updated_at": _time(body.get("updated_at")),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitAuthor:
+    name: str  # the tenant
+    email: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Commit:
+    """One commit of a workspace's history. `message` is the whole message: its subject (the
+    first line, `.subject`), body and trailers (`Sandgate-Sandbox: <name>` on the commits a
+    sandbox's delete or expiry made)."""
+
+    sha: str
+    parents: tuple[str, ...]
+    author: CommitAuthor
+    date: datetime | None
+    message: str
+
+    @property
+    def subject(self) -> str:
+        return self.message.split("\n", 1)[0]
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> Commit:
+        author = body.get("author") or {}
+        try:
+            date = _time(body.get("date"))
+        except ValueError:
+            date = None
+        return cls(
+            sha=str(body["sha"]),
+            parents=tuple(str(p) for p in body.get("parents") or ()),
+            author=CommitAuthor(
+                name=str(author.get("name", "")), email=str(author.get("email", ""))
+            ),
+            date=date,
+            message=str(body.get("message") or ""),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SkippedFile:
+    """A file a commit left out: larger than the size rule allows."""
+
+    path: str
+    size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitResult:
+    """What a commit or a restore did: `commit` is the new commit, or the head when nothing
+    had changed (`created` False); `skipped`, the files left out by the size rule."""
+
+    commit: Commit
+    created: bool
+    skipped: tuple[SkippedFile, ...] = ()
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> CommitResult:
+        return cls(
+            commit=Commit.from_json(body["commit"]),
+            created=bool(body.get("created", False)),
+            skipped=tuple(
+                SkippedFile(path=str(s["path"]), size=int(s.get("size") or 0))
+                for s in body.get("skipped") or ()
+            ),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileStat:
+    """One file a commit changed: lines added and deleted (None for a binary file)."""
+
+    path: str
+    added: int | None
+    deleted: int | None
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> FileStat:
+        added, deleted = body.get("added"), body.get("deleted")
+        return cls(
+            path=str(body["path"]),
+            added=None if added is None else int(added),
+            deleted=None if deleted is None else int(deleted),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitDiff:
+    """A commit and what it changed against its first parent (the first commit: against
+    nothing): `files`, the stat, and `patch`, the unified diff, cut at 1 MiB (`truncated`)."""
+
+    commit: Commit
+    files: tuple[FileStat, ...]
+    patch: str
+    truncated: bool = False
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> CommitDiff:
+        return cls(
+            commit=Commit.from_json(body["commit"]),
+            files=tuple(FileStat.from_json(f) for f in body.get("files") or ()),
+            patch=str(body.get("patch") or ""),
+            truncated=bool(body.get("truncated", False)),
         )
