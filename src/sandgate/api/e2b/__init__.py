@@ -3,6 +3,7 @@
 A second front-end over the same services as the native API, not a second path:
 
 * `rest`: E2B's control API (`/v2/sandboxes`...) over the create pipeline and lifecycle;
+* `volumes`: E2B's volumes (`/volumes`, `volumeMounts`) as the tenant's workspaces;
 * `process`, `filesystem`: envd's Connect services over `control.toolbox`;
 * `files`: envd's `/files` upload and download, and `/health`;
 * `envd`: authentication of envd requests and the routing between these;

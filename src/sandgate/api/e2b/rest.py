@@ -23,8 +23,9 @@ from starlette.datastructures import State
 
 from sandgate.api import errors
 from sandgate.api.deps import Services, services, tenant
+from sandgate.api.e2b import volumes
 from sandgate.api.routes.sandboxes import create_request
-from sandgate.api.schemas import CreateSandbox
+from sandgate.api.schemas import CreateSandbox, WorkspaceMountIn
 from sandgate.core import e2b_auth
 from sandgate.core.clock import utcnow
 from sandgate.core.egress_policy import parse_policy
@@ -60,6 +61,7 @@ class NewSandbox(BaseModel):
     network: dict[str, Any] | None = None  # allowOut, denyOut (the rest: see e2b_network)
     secure: bool | None = None  # sandgate always issues an envd access token
     autoPause: bool | None = None
+    volumeMounts: list[Any] | None = None  # [{name, path}]: workspaces (api.e2b.volumes)
 
 
 # what only E2B's infrastructure has; named so the refusal can say which key asked for it
@@ -70,7 +72,6 @@ UNSUPPORTED_KEYS = MappingProxyType(
         "autoResume": "pausing sandboxes",
         "lifecycle": "pausing sandboxes",
         "mcp": "MCP gateways",
-        "volumeMounts": "volumes",
         "iam": "IAM roles",
     }
 )
@@ -148,6 +149,7 @@ def create_e2b_rest_app(state: State) -> FastAPI:
     app.state = state
     errors.install(app, shape=errors.e2b_body, validation_status=400)
     app.include_router(router)
+    app.include_router(volumes.router)
     return app
 
 
@@ -171,6 +173,7 @@ async def create(
             f"template {body.templateID!r} not found; this server has: {known} and the "
             "templates imported with sandgate templates import"
         ) from None
+    wanted = volumes.volume_mounts(body.volumeMounts)
     try:  # the native create's checks: reserved metadata keys, env names, sizes
         native = CreateSandbox(
             template=template,
@@ -178,13 +181,17 @@ async def create(
             metadata=body.metadata or {},
             env=body.envVars or {},
             network=e2b_network(body.allow_internet_access, body.network),
+            workspaces=[WorkspaceMountIn(name=m.name, path=m.path) for m in wanted] or None,
         )
     except ValidationError as exc:
         problem = exc.errors()[0]
         where = ".".join(str(x) for x in problem.get("loc", ())) or "body"
         raise InvalidRequestError(f"{where}: {problem.get('msg', 'invalid')}") from None
-    request = create_request(native, svc.settings, resolved)
+    mounts = await svc.workspaces.resolve(who, wanted)  # as the native create does
+    request = create_request(native, svc.settings, resolved, mounts)
     result = await svc.creates.create(who, request, idempotency_key, http.is_disconnected)
+    if mounts[0] and result.sandbox.worker is not None:
+        await svc.workspaces.placed(mounts[0], result.sandbox.worker)
     headers = {"Idempotent-Replayed": "true"} if result.replayed else None
     # E2B answers 201 to a retry too (its SDK reads any other status as no sandbox)
     return JSONResponse(_created(svc, result.sandbox), status_code=201, headers=headers)
@@ -242,6 +249,7 @@ def _listed(sandbox: Sandbox) -> dict[str, Any]:
         "metadata": sandbox.metadata,
         "state": "running",
         "envdVersion": ENVD_VERSION,
+        "volumeMounts": volumes.mounts_out(sandbox),
     }
 
 
@@ -413,9 +421,3 @@ async def unsupported_templates(who: Tenant) -> None:
         "building or managing templates through E2B's API (import images with sandgate "
         "templates import or POST /api/v1/templates, then pass their name as templateID)"
     )
-
-
-@router.api_route("/volumes", methods=["GET", "POST"])
-@router.api_route("/volumes/{rest:path}", methods=["GET", "POST", "DELETE"])
-async def unsupported_volumes(who: Tenant) -> None:
-    _not_yet("volumes")

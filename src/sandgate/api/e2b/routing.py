@@ -24,6 +24,7 @@ REST_PREFIXES = (
     "/v2/templates",
     "/v3/templates",
     "/volumes",
+    "/volumecontent",  # E2B's volume files API: answered 501 (api.e2b.volumes)
 )
 
 
