@@ -334,15 +334,25 @@ def _parse_args(argv: list[str]) -> dict[str, str]:
     args = iter(argv)
     for arg in args:
         name, sep, value = arg.partition("=")
-        known = ("--workspace", "--tmp", "--root", "--cwd", "--loader", "--library-path", "--env")
+        known = (
+            "--workspace",
+            "--tmp",
+            "--root",
+            "--cwd",
+            "--loader",
+            "--library-path",
+            "--env",
+            "--mount",
+        )
         if name not in known:
             raise ValueError(f"unknown argument {arg!r}")
         if not sep:
             value = next(args, "")
         if not value:
             raise ValueError(f"{name} needs a value")
-        if name == "--env":  # repeated: NAME=VALUE for the commands it starts only
-            options["env"] = options.get("env", "") + value + "\0"
+        if name in ("--env", "--mount"):  # repeated (NAME=VALUE for the commands it starts;
+            # a workspace mounted outside /workspace: another root of its files API)
+            options[name[2:]] = options.get(name[2:], "") + value + "\0"
             continue
         options[name[2:]] = value
     for name in ("workspace", "tmp"):
@@ -365,6 +375,11 @@ def main(argv: list[str]) -> int:
         (sroot, os.path.realpath(options[name]))
         for sroot, name in zip(paths.SANDBOX_ROOTS, ("workspace", "tmp"), strict=True)
     )
+    for mount in filter(None, options.get("mount", "").split("\0")):
+        if not mount.startswith("/") or not os.path.isdir(mount):
+            log(f"usage: --mount {mount!r} is not a directory")
+            return 2
+        roots += ((os.path.normpath(mount), os.path.realpath(mount)),)
     if "root" in options:
         roots += (("/", "/"),)
     sandbox_env = dict(os.environ)

@@ -120,12 +120,6 @@ def test_refusals_name_their_rule(alpha: sdk.E2B) -> None:
         plain.kill()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=SandboxException,
-    reason="the agent's file API reaches /workspace and /tmp only (agent/paths.py "
-    "SANDBOX_ROOTS): a volume at /mnt/... is seen by commands, not by sbx.files",
-)
 def test_the_files_api_reaches_a_volume_outside_home(alpha: sdk.E2B) -> None:
     vol = Volume.create("outside", **api(alpha))
     sbx = alpha.create(volume_mounts={"/mnt/outside": vol})

@@ -92,6 +92,16 @@ def agent_argv() -> list[str]:
     ]
 
 
+def workspace_roots(spec: SandboxSpec) -> list[str]:
+    """The agent's `--mount` arguments: each workspace mounted outside /workspace."""
+    return [
+        arg
+        for mount in spec.workspaces
+        if not (mount.path + "/").startswith("/workspace/")
+        for arg in ("--mount", mount.path)
+    ]
+
+
 def image_agent_argv(
     loader: str,
     library_dir: str,
@@ -380,8 +390,8 @@ class BwrapRuntime:
             if missing:
                 raise WorkerError(f"the image's layers are not on this worker: {missing}")
         if argv is None:
-            if spec.image is None:
-                argv = agent_argv()
+            if spec.image is None:  # its files API reaches the workspaces mounted elsewhere too
+                argv = [*agent_argv(), *workspace_roots(spec)]
             elif self._host_python is None:
                 raise WorkerError("this host's Python cannot run the agent in a template sandbox")
             else:
