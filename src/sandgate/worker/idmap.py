@@ -20,7 +20,6 @@ import contextlib
 import ctypes
 import os
 import platform
-import struct
 import subprocess
 import time
 from pathlib import Path
@@ -34,15 +33,26 @@ _SYS_OPEN_TREE: Final = 428
 _SYS_MOVE_MOUNT: Final = 429
 _SYS_MOUNT_SETATTR: Final = 442
 _OPEN_TREE_CLONE: Final = 1
-_OPEN_TREE_CLOEXEC: Final = os.O_CLOEXEC
 _AT_FDCWD: Final = -100
 _AT_EMPTY_PATH: Final = 0x1000
+_AT_RECURSIVE: Final = 0x8000
 _MOVE_MOUNT_F_EMPTY_PATH: Final = 0x4
 _MOUNT_ATTR_IDMAP: Final = 0x00100000
 _MOUNT_ATTR_NOSUID: Final = 0x2
 _MOUNT_ATTR_NODEV: Final = 0x4
 
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = (
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    )
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
 
 
 def _check(result: int, what: str) -> int:
@@ -55,10 +65,11 @@ def _check(result: int, what: str) -> int:
 def _userns_fd(on_disk: int, seen_as: int) -> int:
     """An fd of a user namespace mapping uid and gid `on_disk` (inside) to `seen_as`."""
     child = subprocess.Popen(
-        ["unshare", "--user", "--", "sleep", "30"],
+        ["/usr/bin/unshare", "--user", "/bin/sleep", "30"],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={},
     )
     try:
         own = os.readlink("/proc/self/ns/user")
@@ -66,7 +77,7 @@ def _userns_fd(on_disk: int, seen_as: int) -> int:
         while os.readlink(f"/proc/{child.pid}/ns/user") == own:  # not unshared yet
             if time.monotonic() > deadline or child.poll() is not None:
                 raise WorkerError("cannot make a user namespace for an idmapped mount")
-            time.sleep(0.001)
+            time.sleep(0.0002)
         for name in ("uid_map", "gid_map"):
             with open(f"/proc/{child.pid}/{name}", "w") as f:
                 f.write(f"{on_disk} {seen_as} 1\n")
@@ -78,36 +89,43 @@ def _userns_fd(on_disk: int, seen_as: int) -> int:
         child.wait()
 
 
-def bind(source: Path, target: Path, *, on_disk: int, seen_as: int) -> None:
-    """Bind `source` at `target` (an existing empty directory), nosuid and nodev, with files
-    owned by `on_disk` seen as owned by `seen_as`, and written as `on_disk`."""
+def bind(source: Path, target: Path, *, on_disk: int, seen_as: int, below: bool = False) -> None:
+    """Attach a clone of the mount of `source` at `target` (an existing directory), on which
+    files owned by `on_disk` are seen as owned by `seen_as`, and written as `on_disk`.
+    Without `below` it is nosuid and nodev; with it, the mounts below `source` are mapped
+    too (a template's layer store: `rootfs.py`)."""
     if platform.machine() not in ("x86_64", "aarch64"):
         raise WorkerError(f"idmapped mounts are not wired for {platform.machine()}")
     userns = _userns_fd(on_disk, seen_as)
     tree = -1
     try:
+        flags = _OPEN_TREE_CLONE | os.O_CLOEXEC
         tree = _check(
-            _libc.syscall(
-                _SYS_OPEN_TREE,
-                _AT_FDCWD,
-                os.fsencode(source),
-                _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC,
-            ),
+            _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), ctypes.c_uint(flags)),
             f"cannot clone the mount of {source}",
         )
-        attr = ctypes.create_string_buffer(
-            struct.pack(
-                "QQQQ", _MOUNT_ATTR_IDMAP | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, 0, 0, userns
-            )
-        )
+        harden = 0 if below else _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV
+        attr = _MountAttr(_MOUNT_ATTR_IDMAP | harden, 0, 0, userns)
         _check(
-            _libc.syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, attr, len(attr.raw)),
+            _libc.syscall(
+                _SYS_MOUNT_SETATTR,
+                tree,
+                b"",
+                ctypes.c_uint(_AT_EMPTY_PATH | (_AT_RECURSIVE if below else 0)),
+                ctypes.byref(attr),
+                ctypes.c_size_t(ctypes.sizeof(attr)),
+            ),
             f"cannot idmap the mount of {source} (needs Linux >= 5.12 and a file system that "
             "supports idmapped mounts)",
         )
         _check(
             _libc.syscall(
-                _SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH
+                _SYS_MOVE_MOUNT,
+                tree,
+                b"",
+                _AT_FDCWD,
+                os.fsencode(target),
+                ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH),
             ),
             f"cannot mount {source} at {target}",
         )

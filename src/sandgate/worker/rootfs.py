@@ -8,8 +8,8 @@ overlayfs stacks those layers under an upper directory on the sandbox's own file
 (`disk.py`): whatever it writes, installs or deletes lands there, counts against its disk
 quota and goes with it; the layers never change.
 
-The mount syscalls (``open_tree``, ``mount_setattr``, ``move_mount``: Linux >= 5.12, no
-wrapper in Python's os module or util-linux's mount 2.38) are called through libc. overlayfs
+The mount syscalls (``open_tree``, ``mount_setattr``, ``move_mount``: Linux >= 5.12) are in
+`idmap.py`, shared with the workspaces' binds. overlayfs
 keeps private clones of its layers' mounts, so the idmapped mount is detached as soon as
 the overlay stands: one mount per sandbox to remove, the overlay.
 
@@ -22,21 +22,12 @@ import ctypes
 import os
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 from sandgate.errors import InvalidRequestError, WorkerError
+from sandgate.worker import idmap
 from sandgate.worker.layers import open_dir
 
-_SYS_OPEN_TREE = 428  # x86_64 and aarch64 share these numbers (the unified syscall table)
-_SYS_MOVE_MOUNT = 429
-_SYS_MOUNT_SETATTR = 442
-_AT_FDCWD = -100
-_AT_EMPTY_PATH = 0x1000
-_AT_RECURSIVE = 0x8000
-_OPEN_TREE_CLONE = 1
-_MOUNT_ATTR_IDMAP = 0x00100000
-_MOVE_MOUNT_F_EMPTY_PATH = 0x4
 _MNT_DETACH = 2
 
 ROOT_NAME = "root"  # the sandbox's merged root, in its directory
@@ -46,17 +37,7 @@ WORK_NAME = "root-work"
 MAX_MOUNT_DATA = 4000  # the kernel takes one page of mount options
 
 
-class _MountAttr(ctypes.Structure):
-    _fields_ = (
-        ("attr_set", ctypes.c_uint64),
-        ("attr_clr", ctypes.c_uint64),
-        ("propagation", ctypes.c_uint64),
-        ("userns_fd", ctypes.c_uint64),
-    )
-
-
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
 _libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
 
 
@@ -67,70 +48,9 @@ def _check(result: int, what: str) -> int:
     return result
 
 
-def _mapping_userns(host_uid: int) -> int:
-    """A descriptor of a user namespace mapping uid and gid 0 to `host_uid` (only them)."""
-    holder = subprocess.Popen(
-        ["/usr/bin/unshare", "--user", "/bin/sleep", "30"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={},
-    )
-    try:
-        ours = os.readlink("/proc/self/ns/user")
-        deadline = time.monotonic() + 5.0
-        while os.readlink(f"/proc/{holder.pid}/ns/user") == ours:
-            if holder.poll() is not None or time.monotonic() > deadline:
-                raise WorkerError("cannot make a user namespace for the sandbox's idmapped root")
-            time.sleep(0.0002)
-        for name in ("uid_map", "gid_map"):
-            with open(f"/proc/{holder.pid}/{name}", "w") as f:
-                f.write(f"0 {host_uid} 1\n")
-        return os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise WorkerError(f"cannot map the sandbox's uid for its root: {exc}") from exc
-    finally:
-        holder.kill()
-        holder.wait()
-
-
 def attach_idmapped(source: Path, target: Path, host_uid: int) -> None:
     """Attach a clone of the mount of `source` at `target`, owner 0 reading as `host_uid`."""
-    userns = _mapping_userns(host_uid)
-    tree = -1
-    try:
-        flags = _OPEN_TREE_CLONE | os.O_CLOEXEC
-        tree = _check(
-            _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), ctypes.c_uint(flags)),
-            "open_tree of the layer store",
-        )
-        attr = _MountAttr(_MOUNT_ATTR_IDMAP, 0, 0, userns)
-        _check(
-            _libc.syscall(
-                _SYS_MOUNT_SETATTR,
-                tree,
-                b"",
-                ctypes.c_uint(_AT_EMPTY_PATH | _AT_RECURSIVE),
-                ctypes.byref(attr),
-                ctypes.c_size_t(ctypes.sizeof(attr)),
-            ),
-            "idmapping the layer store (the kernel needs idmapped mounts: Linux >= 5.12)",
-        )
-        _check(
-            _libc.syscall(
-                _SYS_MOVE_MOUNT,
-                tree,
-                b"",
-                _AT_FDCWD,
-                os.fsencode(target),
-                ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH),
-            ),
-            "attaching the idmapped layer store",
-        )
-    finally:
-        if tree >= 0:
-            os.close(tree)
-        os.close(userns)
+    idmap.bind(source, target, on_disk=0, seen_as=host_uid, below=True)
 
 
 def detach(target: Path) -> None:
