@@ -18,7 +18,7 @@ from sandgate.errors import InvalidRequestError
 
 def test_names() -> None:
     assert check_name("proj-1.a_b") == "proj-1.a_b"
-    for bad in ("", "-x", "Upper", "a/b", "x" * 64, None, 3):
+    for bad in ("", "-x", "Upper", "a/b", "x" * 64, None, 3, "m1\n", "a\nb"):
         with pytest.raises(InvalidRequestError):
             check_name(bad)
 
@@ -40,6 +40,9 @@ def test_mount_paths() -> None:
         "/mnt/./x",
         "/mnt/a b",
         "/opt/sandgate/x",
+        "//mnt/x",  # normpath keeps a leading //, and it dodged the overlap check
+        "/mnt/x\n",
+        "/mnt/x\n/y",
     ):
         with pytest.raises(InvalidRequestError):
             check_mount_path(bad)
@@ -64,6 +67,8 @@ def test_parse_mounts_shapes() -> None:
         (None, [{"name": "a", "extra": 1}]),
         (None, "a"),
         (None, [f"w{i}" for i in range(9)]),
+        (None, [{"name": "a", "path": "/mnt/x"}, {"name": "b", "path": "//mnt/x"}]),
+        (None, [{"name": "a", "path": "//mnt/x"}, {"name": "b", "path": "/mnt/x/y"}]),
     ],
 )
 def test_parse_mounts_refuses(workspace: object, workspaces: object) -> None:

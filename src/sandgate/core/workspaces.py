@@ -25,9 +25,9 @@ MOUNT_ROOTS: Final = ("workspace", "mnt", "home", "data", "srv", "work")
 MAX_MOUNTS: Final = 8
 MIN_QUOTA_MB: Final = 16
 DEFAULT_QUOTA_MB: Final = 1024
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-_PART = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_ID = re.compile(r"^ws-[0-9a-f]{20}$")
+_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")  # whole strings only: fullmatch
+_PART = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_ID = re.compile(r"ws-[0-9a-f]{20}")
 
 
 @dataclass(frozen=True)
@@ -58,13 +58,13 @@ def new_workspace_id() -> str:
 
 
 def check_id(value: Any) -> str:
-    if not isinstance(value, str) or not _ID.match(value):
+    if not isinstance(value, str) or not _ID.fullmatch(value):
         raise InvalidRequestError(f"{value!r} is not a workspace id (ws- and 20 hex digits)")
     return value
 
 
 def check_name(value: Any) -> str:
-    if not isinstance(value, str) or not _NAME.match(value):
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise InvalidRequestError(
             f"workspace name {value!r} is not valid: use 1-63 lowercase letters, digits, '.', "
             "'_' or '-', starting with a letter or digit"
@@ -89,10 +89,10 @@ def check_quota(value: Any, *, most: int) -> int:
 
 def check_mount_path(value: Any) -> str:
     """An absolute, normalised path below one of MOUNT_ROOTS (or /workspace itself)."""
-    if not isinstance(value, str) or not value.startswith("/"):
+    if not isinstance(value, str) or not value.startswith("/") or value.startswith("//"):
         raise InvalidRequestError(f"mount path {value!r} must be an absolute path")
     parts = value.strip("/").split("/")
-    if posixpath.normpath(value) != value or not all(_PART.match(p) for p in parts):
+    if posixpath.normpath(value) != value or not all(_PART.fullmatch(p) for p in parts):
         raise InvalidRequestError(
             f"mount path {value!r} must be normalised, of letters, digits, '.', '_', '-'"
         )

@@ -20,7 +20,6 @@ in a thread; the caller holds the workspace's lock, and `check` says whether it 
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
@@ -47,8 +46,14 @@ log = logging.getLogger(__name__)
 LARGE_FILE_BYTES: Final = 32 << 20  # the size rule: files above this are not committed
 MAX_MESSAGE = 4096  # chars of a commit message kept
 MAX_SKIPPED_TRAILERS = 50
+MAX_DEPTH = 400  # directories below the top a commit walks (os.fwalk recurses)
 GIT_TIMEOUT = 60.0
 BRANCH = "refs/heads/main"
+JAIL_GIT = "/ws/git"  # where git sees the git dir and the tree, in its jail (`_jail`)
+JAIL_FILES = "/ws/files"
+# the repository's own config, written by the worker before each commit and restore
+REPO_CONFIG = b"[core]\n\trepositoryformatversion = 0\n\tfilemode = true\n\tbare = false\n"
+_GIT_FILE = re.compile(r"(info/)?[a-z]+")
 EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
 STALE_LOCKS = ("index.lock", "HEAD.lock", "refs/heads/main.lock", "restore-index.lock")
 ATTRIBUTES = b"* -text -eol -ident -filter -working-tree-encoding !diff\n"
@@ -64,7 +69,8 @@ _CONFIG = tuple(
     (
         "core.hooksPath=/dev/null core.fsmonitor=false core.untrackedCache=false safe.directory=* "
         "core.symlinks=true core.quotePath=false gc.autoDetach=false commit.gpgSign=false "
-        "protocol.allow=never submodule.recurse=false diff.external= core.pager=cat"
+        "protocol.allow=never submodule.recurse=false diff.external= core.pager=cat "
+        "diff.ignoreSubmodules=all status.submoduleSummary=false core.bigFileThreshold=1m"
     ).split()
 )
 # what the tenant's files may say (a .gitmodules, a .gitattributes), not damage: fsck ignores it
@@ -84,7 +90,7 @@ _TRAILER_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _REFUSED = re.compile(rb"error: invalid path '(.+?)'\n")
 _UNREADABLE = re.compile(rb"(?:open\(\"(.+?)\"\)|could not open directory '(.+?)'): Permission")
-_QUOTA_FULL = (b"No space left on device", b"Disk quota exceeded")
+_QUOTA_FULL = (b"No space left on device", b"Disk quota exceeded", b"Out of diskspace")
 
 
 @dataclass(frozen=True)
@@ -257,27 +263,102 @@ class GitHistory:
 
     # -- running git
 
-    def _popen(
-        self, args: tuple[str, ...], stdin: int, stderr: Any, env: Mapping[str, str]
+    def _jail(self) -> list[str]:
+        """What every program on the repository runs in: a mount namespace holding this
+        workspace alone (its git dir at /ws/git, its tree at /ws/files) and the host's /usr
+        read-only, no network, as the storage uid with no capabilities. A link the tenant
+        swaps in while git walks the tree can reach nothing but the workspace itself."""
+        lib64 = ["--symlink", "usr/lib64", "/lib64"] if os.path.isdir("/usr/lib64") else []
+        return [
+            "/usr/bin/nice",
+            "-n",
+            "10",
+            "/usr/bin/bwrap",
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--die-with-parent",
+            "--new-session",
+            "--ro-bind",
+            "/usr",
+            "/usr",
+            "--symlink",
+            "usr/bin",
+            "/bin",
+            "--symlink",
+            "usr/lib",
+            "/lib",
+            *lib64,
+            "--dev",
+            "/dev",
+            "--perms",
+            "1777",
+            "--tmpfs",
+            "/tmp",
+            "--perms",
+            "0755",
+            "--dir",
+            "/ws",
+            "--bind",
+            str(self.git_dir),
+            JAIL_GIT,
+            "--bind",
+            str(self.work_tree),
+            JAIL_FILES,
+            "--remount-ro",
+            "/",
+            "--chdir",
+            JAIL_FILES,
+            "--",
+            "/usr/bin/setpriv",
+            f"--reuid={self.uid}",
+            f"--regid={self.gid}",
+            "--clear-groups",
+            "--no-new-privs",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--",
+        ]
+
+    def _spawn(
+        self, argv: list[str], stdin: int, stderr: Any, env: Mapping[str, str]
     ) -> subprocess.Popen[bytes]:
-        argv = ["git", *(a for option in _CONFIG for a in ("-c", option)), *args]
         base = dict(kv.split("=", 1) for kv in _ENV)
-        base |= {"GIT_DIR": str(self.git_dir), "GIT_WORK_TREE": str(self.work_tree)}
+        base |= {"GIT_DIR": JAIL_GIT, "GIT_WORK_TREE": JAIL_FILES}
         try:
             return subprocess.Popen(
-                argv,
+                [*self._jail(), *argv],
                 stdin=stdin,
                 stdout=subprocess.PIPE,
                 stderr=stderr,
                 env={**base, **env},
-                cwd=self.work_tree,
-                user=self.uid,
-                group=self.gid,
-                extra_groups=[],
+                cwd="/",
                 umask=0o022,
             )
         except OSError as exc:
             raise WorkerError(f"cannot run git ({exc}): tell the operator git is missing") from exc
+
+    def _popen(
+        self, args: tuple[str, ...], stdin: int, stderr: Any, env: Mapping[str, str]
+    ) -> subprocess.Popen[bytes]:
+        return self._spawn(
+            ["git", *(a for option in _CONFIG for a in ("-c", option)), *args], stdin, stderr, env
+        )
+
+    def _sh(self, script: str, input: bytes = b"") -> bytes:
+        """A shell script in the jail (files of the git dir the worker keeps in order)."""
+        with self._spawn(["/bin/sh", "-c", script], subprocess.PIPE, subprocess.PIPE, {}) as proc:
+            try:
+                out, err = proc.communicate(input, timeout=GIT_TIMEOUT)
+            except subprocess.TimeoutExpired as exc:
+                proc.kill()
+                proc.communicate()
+                raise WorkerError("keeping the workspace's history in order timed out") from exc
+        if proc.returncode != 0:
+            raise _failure("maintenance", err)
+        return out
 
     def _run(
         self,
@@ -339,30 +420,33 @@ class GitHistory:
 
     # -- files the worker writes into the git directory
 
+    def _write_git_file(self, name: str, data: bytes) -> None:
+        """Replace `name` in the git dir (in the jail: a link planted there reaches only the
+        workspace itself)."""
+        assert _GIT_FILE.fullmatch(name), name
+        where = f"{JAIL_GIT}/{name}"
+        self._sh(
+            f'mkdir -p "$(dirname {where})" && rm -rf {where}.tmp && cat > {where}.tmp '
+            f"&& mv -f -T {where}.tmp {where}",
+            input=data,
+        )
+
     def _write_info(self, name: str, data: bytes) -> None:
-        info = self.git_dir / "info"
-        try:
-            info.mkdir(mode=0o755, exist_ok=True)
-            os.chown(info, self.uid, self.gid)
-            tmp = info / f".{name}.tmp"
-            with open(tmp, "wb") as f:
-                os.fchown(f.fileno(), self.uid, self.gid)
-                f.write(data)
-            os.replace(tmp, info / name)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _quota_full() from exc
-            raise WorkerError(f"cannot write git/info/{name} ({exc}): try again") from exc
+        self._write_git_file(f"info/{name}", data)
 
     def _clear_stale_locks(self) -> None:
-        """The caller holds the only lock on the workspace: a lock file is a killed git's."""
-        for name in STALE_LOCKS:
-            lock = self.git_dir / name
-            if lock.exists():
+        """The caller holds the only lock on the workspace: a lock file is a killed git's.
+        The repository's config is written again too: nothing but the worker sets it."""
+        names = " ".join([*STALE_LOCKS, "restore-index"])
+        found = self._sh(
+            f'cd {JAIL_GIT} && for n in {names}; do if [ -e "$n" ] || [ -L "$n" ]; then '
+            'echo "$n"; rm -f "$n"; fi; done'
+        )
+        for name in found.decode(errors="replace").split():
+            if name != "restore-index":
                 event = "stale_index_lock" if name == "index.lock" else "stale_lock"
-                log.warning("workspace.%s path=%s", event, lock)
-                lock.unlink(missing_ok=True)
-        (self.git_dir / "restore-index").unlink(missing_ok=True)
+                log.warning("workspace.%s path=%s", event, f"git/{name}")
+        self._write_git_file("config", REPO_CONFIG)
 
     # -- reading history
 
@@ -428,7 +512,7 @@ class GitHistory:
         if any(self.git_dir.iterdir()):
             raise ConflictError("the workspace already has a history: read it with its log")
         self._git("init", "-q", "--template=", "--initial-branch=main")
-        self._git("config", "--unset", "core.worktree")  # the mount point is not part of it
+        self._write_git_file("config", REPO_CONFIG)  # no core.worktree: the jail's path
         self._write_info("attributes", ATTRIBUTES)
         self._write_info("exclude", b"")
         tree = self._git("write-tree").decode().strip()
@@ -453,11 +537,11 @@ class GitHistory:
         _, scan = self._snapshot(f"Before restore to {sha[:12]}", author, trailers)
         tree = f"{sha}^{{tree}}"
         if scan.skipped:  # rev's tree minus the files the size rule keeps out: they stay
-            env = {"GIT_INDEX_FILE": str(self.git_dir / "restore-index")}
+            env = {"GIT_INDEX_FILE": f"{JAIL_GIT}/restore-index"}
             self._step("read-tree", tree, env=env)
             self._step(*_REMOVE, input=_nul_list(p for p, _ in scan.skipped), env=env)
             tree = self._step("write-tree", env=env).decode().strip()
-            (self.git_dir / "restore-index").unlink()
+            self._sh(f"rm -f {JAIL_GIT}/restore-index")
         self._step("read-tree", "-u", "--reset", tree)
         return self._snapshot(f"Restore {sha[:12]}", author, trailers)[0]
 
@@ -504,12 +588,27 @@ class GitHistory:
     # -- the work tree, as the worker sees it
 
     def _scan(self) -> _Scan:
+        try:
+            return self._walk()
+        except FileNotFoundError:  # the sandbox removed a directory while it was read
+            raise ConflictError(
+                "the workspace's files changed while they were read: try again"
+            ) from None
+        except OSError as exc:  # never the host's path in the answer
+            raise WorkerError(f"cannot read the workspace's files ({exc.strerror})") from None
+
+    def _walk(self) -> _Scan:
         skipped: list[tuple[str, int]] = []
         special: list[str] = []
         nested = False
         top = str(self.work_tree)
         for dirpath, dirnames, filenames, dirfd in os.fwalk(top, follow_symlinks=False):
             rel = dirpath[len(top) + 1 :]
+            if rel.count("/") >= MAX_DEPTH - 1:
+                raise InvalidRequestError(
+                    f"a directory of the workspace nests deeper than {MAX_DEPTH} levels "
+                    f"({_display(rel[:200])}...): flatten it, then commit"
+                )
             if ".git" in dirnames or ".git" in filenames:  # git never adds a .git
                 nested = nested or bool(rel)
                 dirnames[:] = [d for d in dirnames if d != ".git"]

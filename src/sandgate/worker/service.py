@@ -102,6 +102,9 @@ class WorkerService:
         store = getattr(runtime, "layer_store", None)
         self.layers = None if store is None else LayerCache(store, state.layer_fetches)
         self.shutting_down = False  # run() is destroying everything on its way out
+        host: WorkspaceHost | None = getattr(runtime, "workspaces", None)
+        if host is not None:
+            host.freeze = self._freeze_workspace_users
         self._tasks: asyncio.TaskGroup | None = None
 
     async def run(self, body: Callable[[], Awaitable[None]]) -> None:
@@ -695,6 +698,26 @@ class WorkerService:
             raise InvalidRequestError("fence must be a number")
         work = git_work(header)
         return await host.run(ws_id, owner, fence, work)
+
+    async def _freeze_workspace_users(self, ws_id: str, frozen: bool) -> int:
+        """Freeze (thaw) the running sandboxes that mount the workspace; how many were."""
+        users = [
+            live
+            for live in self.state.sandboxes.values()
+            if any(m.id == ws_id for m in live.running.spec.workspaces)
+        ]
+        done = 0
+        for live in users:
+            if await cgroups.set_frozen(live.running.cgroup_dirs, frozen):
+                done += 1
+            elif frozen:
+                log.warning(
+                    "workspace.freeze_unavailable",
+                    extra={"workspace": ws_id, "sandbox": live.name},
+                )
+        if users and frozen:
+            log.info("workspace.users_frozen", extra={"workspace": ws_id, "frozen": done})
+        return done
 
     def _running(self, name: str) -> LiveSandbox:
         live = self.state.sandboxes.get(name)

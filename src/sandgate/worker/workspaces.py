@@ -32,7 +32,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -83,6 +83,9 @@ class WorkspaceHost:
         self.fences: dict[str, int] = {}
         # workspace id -> serialises its mount, unmount and operations on this worker
         self._locks: dict[str, asyncio.Lock] = {}
+        # freezes (True) or thaws the sandboxes here that mount a workspace, around each
+        # commit and restore (set by the worker's service, which knows its sandboxes)
+        self.freeze: Callable[[str, bool], Awaitable[int]] | None = None
 
     # -- start -------------------------------------------------------------------------
     def prepare(self, *, disk_problem: str | None) -> None:
@@ -164,8 +167,16 @@ class WorkspaceHost:
             if fence < self.fences.get(ws_id, 0):
                 raise _lock_lost(ws_id)
             self.fences[ws_id] = fence
-        async with self._lock(ws_id):
-            return await self._in_mounted(ws_id, owner, work, fence=fence)
+        async with self._lock(ws_id):  # no sandbox binds it meanwhile: attach waits for this
+            if fence is None or self.freeze is None:
+                return await self._in_mounted(ws_id, owner, work, fence=fence)
+            # the sandboxes using it hold still: git sees one tree, and no link the tenant
+            # swaps in while git walks it (the jail keeps such a link inside the workspace)
+            await self.freeze(ws_id, True)
+            try:
+                return await self._in_mounted(ws_id, owner, work, fence=fence)
+            finally:
+                await self.freeze(ws_id, False)
 
     # -- internals ---------------------------------------------------------------------------
     def _lock(self, ws_id: str) -> asyncio.Lock:

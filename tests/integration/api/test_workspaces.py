@@ -99,7 +99,7 @@ def test_files_outlive_the_sandbox_and_keep_a_history(alpha: httpx.Client) -> No
     alpha.delete(f"/api/v1/sandboxes/{second}")
 
 
-def test_two_sandboxes_share_one(alpha: httpx.Client) -> None:
+def test_two_sandboxes_share_one(dep: Deployment, alpha: httpx.Client) -> None:
     workspace(alpha, "shared")
     a = sandbox_with(alpha, workspace="shared")
     b = sandbox_with(alpha, workspace="shared")
@@ -108,6 +108,12 @@ def test_two_sandboxes_share_one(alpha: httpx.Client) -> None:
     assert out["stdout"].split() == ["from-a", "1000"], out
     assert run(alpha, a, "cat note")["stdout"].split() == ["from-a", "from-b"]
     assert sorted(alpha.get("/api/v1/workspaces/shared").json()["mounted_by"]) == sorted([a, b])
+    # a commit freezes the sandboxes using it: git sees one tree, nothing swapped meanwhile
+    ws_id = alpha.get("/api/v1/workspaces/shared").json()["id"]
+    assert alpha.post("/api/v1/workspaces/shared/commits", json={}).status_code == 201
+    frozen = [r for r in dep.worker_records() if r.get("message") == "workspace.users_frozen"]
+    assert any(r.get("workspace") == ws_id and r.get("frozen") == 2 for r in frozen), frozen
+    assert run(alpha, a, "cat note")["exit_code"] == 0  # and thawed after
     busy = alpha.delete("/api/v1/workspaces/shared")
     assert busy.status_code == 409 and busy.json()["error"]["code"] == "workspace_in_use"
     for name in (a, b):

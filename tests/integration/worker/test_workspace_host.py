@@ -126,3 +126,48 @@ async def test_a_lower_fence_stops_before_git(base: Path) -> None:
     log = await one.run(ws_id, "alpha", None, lambda git: git.log(limit=10)[0])
     assert [c.message.splitlines()[0] for c in log] == ["Workspace created"]
     assert mounted_below(base) == []
+
+
+async def test_git_runs_in_a_jail_holding_this_workspace_alone(base: Path) -> None:
+    one = host(base, "w1")
+    ws_id, other = new_workspace_id(), new_workspace_id()
+    await one.create(ws_id, "alpha", 16, AUTHOR)
+    await one.create(other, "beta", 16, AUTHOR)
+    await one.attach(other, "beta")  # mounted on the host meanwhile, like a neighbour's
+    seen = await one.run(
+        ws_id,
+        "alpha",
+        None,
+        lambda git: git._sh(
+            'echo "uid=$(id -u) ws=$(ls -A /ws | tr "\\n" ,) top=$(ls -A / | tr "\\n" ,)"'
+        ).decode(),
+    )
+    fields = dict(part.split("=", 1) for part in seen.split())
+    assert fields["uid"] == str(STORAGE_UID)
+    assert fields["ws"] == "files,git,"
+    top = set(fields["top"].strip(",").split(",")) - {"lib64"}
+    assert top == {"bin", "dev", "lib", "tmp", "usr", "ws"}  # nothing of the host's
+    assert other not in seen and str(base) not in seen
+    await one.release(other)
+
+
+async def test_a_planted_repository_config_never_runs(base: Path) -> None:
+    """What a restore racing a link could leave in git/ (a filter in its config, attributes
+    naming it) is written over by the worker before the next commit: nothing runs."""
+    one = host(base, "w1")
+    ws_id = new_workspace_id()
+    await one.create(ws_id, "alpha", 16, AUTHOR)
+    files = await one.attach(ws_id, "alpha")
+    git_dir = files.parent / "git"
+    marker = files / "ran"  # inside the jail's view: only the worker's rewrite stops it
+    (git_dir / "config").write_text(
+        "[core]\n\trepositoryformatversion = 0\n"
+        '[filter "evil"]\n\tclean = touch /ws/files/ran; cat\n'
+    )
+    (git_dir / "info" / "attributes").write_text("* filter=evil\n")
+    (files / "f").write_text("data")
+    os.chown(files / "f", STORAGE_UID, STORAGE_UID)
+    made = await one.run(ws_id, "alpha", 1, lambda git: git.commit("c", AUTHOR))
+    assert made.created and not marker.exists()
+    assert "evil" not in (git_dir / "config").read_text()
+    await one.release(ws_id)
