@@ -4,6 +4,7 @@ everything."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -120,6 +121,21 @@ def test_two_sandboxes_share_one(dep: Deployment, alpha: httpx.Client) -> None:
         alpha.delete(f"/api/v1/sandboxes/{name}")
     assert alpha.delete("/api/v1/workspaces/shared").status_code == 204
     assert alpha.get("/api/v1/workspaces/shared").status_code == 404
+
+
+def test_an_expired_sandbox_commits_its_workspace(alpha: httpx.Client) -> None:
+    workspace(alpha, "expiring")
+    s = sandbox_with(alpha, workspace="expiring", timeout=2)
+    run(alpha, s, "echo last > words")
+    deadline = time.monotonic() + 30
+    while True:
+        log = alpha.get("/api/v1/workspaces/expiring/commits").json()["commits"]
+        if log[0]["message"].startswith(f"Sandbox {s} expired"):
+            break
+        assert time.monotonic() < deadline, log
+        time.sleep(0.3)
+    shown = alpha.get(f"/api/v1/workspaces/expiring/commits/{log[0]['sha']}").json()
+    assert [f["path"] for f in shown["files"]] == ["words"]
 
 
 def test_another_tenant_never_reaches_it(alpha: httpx.Client, beta: httpx.Client) -> None:
