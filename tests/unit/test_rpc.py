@@ -7,7 +7,12 @@ import asyncio
 import pytest
 
 from sandgate.agent.frames import Header, decode
-from sandgate.errors import NotFoundError, SandboxTimeoutError, TunnelUnavailableError
+from sandgate.errors import (
+    NotFoundError,
+    PayloadTooLargeError,
+    SandboxTimeoutError,
+    TunnelUnavailableError,
+)
 from sandgate.tunnel.rpc import RpcChannel
 
 
@@ -74,5 +79,31 @@ def test_calls_both_ways_concurrently_and_errors() -> None:
             await a.call("echo", n=1)
         await a_to_b.put(None)
         await asyncio.gather(serve_a, serve_b)
+
+    asyncio.run(main())
+
+
+def test_an_answer_too_large_to_frame_fails_that_call_not_the_link() -> None:
+    """A handler's answer above the frame limit (a workspace's diff, JSON-escaped) once took
+    the whole tunnel down, failing every tenant's calls on that worker."""
+
+    async def big(header: Header, payload: bytes) -> tuple[Header, bytes]:
+        if header["op"] == "big":
+            return {"text": "\x01" * 300_000}, b""  # escaped, 1.8 MB of header
+        return await handler(header, payload)
+
+    async def main() -> None:
+        a_to_b, b_to_a = link()
+        a = RpcChannel(a_to_b.put, handler=handler, name="a")
+        b = RpcChannel(b_to_a.put, handler=big, name="b")
+        serve_a = asyncio.create_task(a.serve(reader(b_to_a)))
+        serve_b = asyncio.create_task(b.serve(reader(a_to_b)))
+        with pytest.raises(PayloadTooLargeError, match="too large"):
+            await a.call("big")
+        header, _ = await a.call("echo", b"", n=7)  # the link still serves
+        assert header["n"] == 7 and not a.closed and not b.closed
+        for q in (a_to_b, b_to_a):
+            await q.put(None)
+        await asyncio.gather(serve_a, serve_b, return_exceptions=True)
 
     asyncio.run(main())

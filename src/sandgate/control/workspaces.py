@@ -224,13 +224,16 @@ class WorkspaceService:
 
     async def _read(self, record: WorkspaceRecord, fields: dict[str, Any]) -> dict[str, Any]:
         worker = await self._worker_for(record)
-        reply, _ = await self.workers.request(
+        reply, payload = await self.workers.request(
             worker,
             "workspace_git",
             {"workspace": record.id, "owner": record.tenant_id, "fence": None, **fields},
             wait=GIT_WAIT,
         )
-        return dict(reply)
+        answer = dict(reply)
+        if answer.pop("patch_in_payload", False):
+            answer["patch"] = payload.decode("utf-8", "replace")
+        return answer
 
     async def _worker_for(self, record: WorkspaceRecord) -> str:
         """The workspace's worker if connected; else another takes it over."""

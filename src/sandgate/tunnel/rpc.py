@@ -9,11 +9,12 @@ incoming requests through a handler inside the task group its `serve()` owns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from sandgate.agent.frames import Header, encode, error_header
+from sandgate.agent.frames import FrameError, Header, encode, error_header
 from sandgate.errors import (
     SandboxTimeoutError,
     SandgateError,
@@ -207,6 +208,13 @@ class RpcChannel:
             )
         try:
             await self.send_frame(response, body)
+        except FrameError as exc:  # our own answer cannot be framed: nothing of it was sent
+            log.warning("rpc.answer_too_large", extra={"link": self.name, "op": header.get("op")})
+            too_large = error_header(
+                request_id, "payload_too_large", f"the answer is too large to send: {exc}"
+            )
+            with contextlib.suppress(SandgateError):
+                await self.send_frame(too_large)
         except SandgateError:
             pass  # the link closed; the caller's side fails its own wait
 

@@ -268,6 +268,28 @@ async def set_frozen(
     return False
 
 
+async def hold_frozen(
+    holds: dict[str, int], name: str, dirs: list[Path] | tuple[Path, ...], frozen: bool
+) -> bool:
+    """Take (`frozen`) or give back one hold on sandbox `name`'s freeze, counted in `holds`:
+    it is frozen from the first hold to the last, so one operation ending never thaws it
+    under another (a sandbox mounting two workspaces, a commit beside a build's export).
+    False when the hold could not be taken (no cgroup.freeze here) or there was none."""
+    held = holds.get(name, 0)
+    if frozen:
+        ok = held > 0 or await set_frozen(dirs, True)
+        if ok:
+            holds[name] = held + 1
+        return ok
+    if held <= 0:
+        return False
+    if held > 1:
+        holds[name] = held - 1
+        return True
+    del holds[name]
+    return await set_frozen(dirs, False)
+
+
 def create_sandbox_cgroups(
     host: CgroupHost,
     worker_name: str,

@@ -48,6 +48,7 @@ MAX_MESSAGE = 4096  # chars of a commit message kept
 MAX_SKIPPED_TRAILERS = 50
 MAX_DEPTH = 400  # directories below the top a commit walks (os.fwalk recurses)
 GIT_TIMEOUT = 60.0
+SHOW_BUDGET = 10.0  # seconds a diff's line counts, then its patch, may take (then: cut)
 BRANCH = "refs/heads/main"
 JAIL_GIT = "/ws/git"  # where git sees the git dir and the tree, in its jail (`_jail`)
 JAIL_FILES = "/ws/files"
@@ -216,6 +217,10 @@ def _message(message: str, trailers: Iterable[tuple[str, str]]) -> bytes:
     return (text + "\n").encode("utf-8", "replace")
 
 
+class _TookTooLong(WorkerError):
+    """A git call ran past its time."""
+
+
 def _quota_full() -> DiskQuotaExceededError:
     return DiskQuotaExceededError(
         "the workspace's disk quota is full: delete files in /workspace or raise its quota_mb, "
@@ -347,9 +352,11 @@ class GitHistory:
             ["git", *(a for option in _CONFIG for a in ("-c", option)), *args], stdin, stderr, env
         )
 
-    def _sh(self, script: str, input: bytes = b"") -> bytes:
-        """A shell script in the jail (files of the git dir the worker keeps in order)."""
-        with self._spawn(["/bin/sh", "-c", script], subprocess.PIPE, subprocess.PIPE, {}) as proc:
+    def _sh(self, script: str, input: bytes = b"", args: tuple[str, ...] = ()) -> bytes:
+        """A shell script in the jail (files of the git dir the worker keeps in order);
+        `args` are its $1...: never spliced into the script."""
+        argv = ["/bin/sh", "-c", script, "sh", *args]
+        with self._spawn(argv, subprocess.PIPE, subprocess.PIPE, {}) as proc:
             try:
                 out, err = proc.communicate(input, timeout=GIT_TIMEOUT)
             except subprocess.TimeoutExpired as exc:
@@ -366,20 +373,27 @@ class GitHistory:
         input: bytes | None = None,
         env: Mapping[str, str] = {},
         ok: tuple[int, ...] = (0,),
+        timeout: float = GIT_TIMEOUT,
     ) -> tuple[bytes, bytes]:
         stdin = subprocess.PIPE if input is not None else subprocess.DEVNULL
         with self._popen(args, stdin, subprocess.PIPE, env) as proc:
             try:
-                out, err = proc.communicate(input, timeout=GIT_TIMEOUT)
+                out, err = proc.communicate(input, timeout=timeout)
             except subprocess.TimeoutExpired as exc:
                 proc.kill()
                 proc.communicate()
-                raise WorkerError(
-                    f"git {_verb(args)} took over {GIT_TIMEOUT:.0f} s: try again"
+                raise _TookTooLong(
+                    f"git {_verb(args)} took over {timeout:.0f} s: try again"
                 ) from exc
         if proc.returncode not in ok:
-            raise _failure(_verb(args), err)
+            raise _failure(_verb(args), self._redact(err))
         return out, err
+
+    def _redact(self, text: bytes) -> bytes:
+        """Git's (or bwrap's) words without the host's paths of this workspace."""
+        for path, seen in ((self.git_dir, JAIL_GIT), (self.work_tree, JAIL_FILES)):
+            text = text.replace(os.fsencode(path), seen.encode())
+        return text
 
     def _git(self, *args: str, input: bytes | None = None, env: Mapping[str, str] = {}) -> bytes:
         return self._run(*args, input=input, env=env)[0]
@@ -389,7 +403,7 @@ class GitHistory:
         self.check()
         return self._git(*args, input=input, env=env)
 
-    def _git_head(self, *args: str, limit: int) -> tuple[bytes, bool]:
+    def _git_head(self, *args: str, limit: int, budget: float = GIT_TIMEOUT) -> tuple[bytes, bool]:
         """Git's output up to `limit` bytes (and whether there was more), never all in memory."""
         expired = threading.Event()
         with (
@@ -401,7 +415,7 @@ class GitHistory:
                 expired.set()
                 proc.kill()
 
-            timer = threading.Timer(GIT_TIMEOUT, expire)
+            timer = threading.Timer(budget, expire)
             timer.start()
             try:
                 assert proc.stdout is not None
@@ -411,11 +425,11 @@ class GitHistory:
                 proc.wait()
             finally:
                 timer.cancel()
-            if expired.is_set():
-                raise WorkerError(f"git {_verb(args)} took over {GIT_TIMEOUT:.0f} s: try again")
+            if expired.is_set():  # what came within the budget, cut there
+                return out[:limit], True
             if not truncated and proc.returncode != 0:
                 err.seek(0)
-                raise _failure(_verb(args), err.read())
+                raise _failure(_verb(args), self._redact(err.read()))
         return out[:limit], truncated
 
     # -- files the worker writes into the git directory
@@ -493,11 +507,22 @@ class GitHistory:
         trees = (commit.parents[0] if commit.parents else EMPTY_TREE, commit.sha)
         args = ("-r", *_NO_DIFF_DRIVERS, "--end-of-options", *trees, "--")
         files = []
-        for record in self._git("diff-tree", "-z", "--numstat", *args).split(b"\0"):
-            if record:
-                added, deleted, path = record.decode(errors="replace").split("\t", 2)
-                files.append(FileStat(path, _count(added), _count(deleted)))
-        patch, truncated = self._git_head("diff-tree", "-p", *args, limit=max(0, max_patch_bytes))
+        try:  # counting lines diffs every file: a tree made to be slow gets names only
+            numstat = self._run("diff-tree", "-z", "--numstat", *args, timeout=SHOW_BUDGET)[0]
+            records = [r.decode(errors="replace").split("\t", 2) for r in numstat.split(b"\0")]
+            files = [FileStat(r[2], _count(r[0]), _count(r[1])) for r in records if len(r) == 3]
+            counted = True
+        except _TookTooLong:
+            names = self._git("diff-tree", "-z", "--name-only", *args)
+            files = [FileStat(os.fsdecode(n), None, None) for n in names.split(b"\0") if n]
+            counted = False
+        patch, truncated = (
+            self._git_head(
+                "diff-tree", "-p", *args, limit=max(0, max_patch_bytes), budget=SHOW_BUDGET
+            )
+            if counted
+            else (b"", True)
+        )
         return CommitDiff(commit, tuple(files), patch.decode("utf-8", "replace"), truncated)
 
     def fsck(self) -> str:
@@ -644,11 +669,13 @@ class GitHistory:
         self._step("update-index", "-z", "--add", "--stdin", input=_nul_list(kept))
 
     def _files_below(self, rel: str) -> Iterator[str]:
-        top = self.work_tree / rel
-        for dirpath, dirnames, filenames, dirfd in os.fwalk(top, follow_symlinks=False):
-            dirnames[:] = [d for d in dirnames if d != ".git"]
-            base = os.path.relpath(dirpath, self.work_tree)
-            for name in [*filenames, *dirnames]:  # a symlink to a directory is in dirnames
-                mode = _lstat_mode(name, dirfd)
-                if name != ".git" and (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-                    yield f"{base}/{name}"
+        """The files and links below a nested repository's directory, listed in the jail (a
+        link the tenant swapped in there cannot lead the listing onto the host)."""
+        found = self._sh(
+            f'cd {JAIL_FILES} && find "./$1" -name .git -prune '
+            "-o \\( -type f -o -type l \\) -print0",
+            args=(rel,),
+        )
+        for path in found.split(b"\0"):
+            if path.startswith(b"./"):
+                yield os.fsdecode(path[2:])

@@ -158,7 +158,13 @@ class WorkerService:
                 raise InvalidRequestError("export_read takes an offset >= 0")
             return {}, await self._export_read(str(header.get("name", "")), offset)
         if op in WORKSPACE_OPS:
-            return await self._workspace(op, header), b""
+            reply = await self._workspace(op, header)
+            # a diff's patch travels as the payload: as JSON its escapes could outgrow a header
+            patch = reply.pop("patch", None)
+            if isinstance(patch, str):
+                reply["patch_in_payload"] = True
+                return reply, patch.encode("utf-8", "surrogateescape")
+            return reply, b""
         if op == "list":
             return {
                 "sandboxes": sorted(self.state.sandboxes),
@@ -653,14 +659,14 @@ class WorkerService:
         out = self._export_path(name)
         await asyncio.to_thread(out.parent.mkdir, mode=0o700, exist_ok=True)
         # its processes hold still while their changes are read (a step may leave some)
-        frozen = await cgroups.set_frozen(live.running.cgroup_dirs, True)
+        frozen = await self._hold_frozen(live, True)
         try:
             digest, size, entries = await asyncio.to_thread(
                 export.export_upper, upper, out, max_bytes=live.running.spec.disk_mb << 20
             )
         finally:
             if frozen:
-                await cgroups.set_frozen(live.running.cgroup_dirs, False)
+                await self._hold_frozen(live, False)
         return {"digest": digest, "size": size, "entries": entries}
 
     async def _export_read(self, name: str, offset: int) -> bytes:
@@ -708,7 +714,7 @@ class WorkerService:
         ]
         done = 0
         for live in users:
-            if await cgroups.set_frozen(live.running.cgroup_dirs, frozen):
+            if await self._hold_frozen(live, frozen):
                 done += 1
             elif frozen:
                 log.warning(
@@ -718,6 +724,10 @@ class WorkerService:
         if users and frozen:
             log.info("workspace.users_frozen", extra={"workspace": ws_id, "frozen": done})
         return done
+
+    async def _hold_frozen(self, live: LiveSandbox, frozen: bool) -> bool:
+        dirs = live.running.cgroup_dirs
+        return await cgroups.hold_frozen(self.state.freeze_holds, live.name, dirs, frozen)
 
     def _running(self, name: str) -> LiveSandbox:
         live = self.state.sandboxes.get(name)

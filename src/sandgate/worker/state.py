@@ -68,6 +68,9 @@ class WorkerLocalState:
     pool_starting: dict[str, int] = field(default_factory=dict)
     # set when a pool is short (a hand-out, a pooled sandbox that died): the filler wakes
     pool_wanted: asyncio.Event = field(default_factory=asyncio.Event)
+    # sandbox name -> how many operations hold it frozen now (a workspace's commit or
+    # restore, a build's export): frozen from the first hold to the last
+    freeze_holds: dict[str, int] = field(default_factory=dict)
     # layer digest -> the fetch of that image layer in progress (worker/images.py), so the
     # sandboxes that need it wait for one download; dropped when it ends
     layer_fetches: dict[str, asyncio.Task[None]] = field(default_factory=dict)
@@ -118,6 +121,12 @@ WORKER_STATE: Mapping[str, StateRow] = MappingProxyType(
             "the layers of the images being started",
             "per-process by nature; the unpacked layers themselves are files in the worker's "
             "state directory, kept across restarts (a partial fetch is removed at start)",
+        ),
+        "WorkerLocalState.freeze_holds": StateRow(
+            "how many operations hold each sandbox frozen (workspace commits and restores, a "
+            "build's export), so the last one alone thaws it",
+            "one small count per frozen sandbox (dropped at zero)",
+            "per-process by nature: the sandboxes' cgroups are this worker's",
         ),
         "WorkerLocalState.cpu_samples": StateRow(
             "each running sandbox's CPU time at its last metrics call",
@@ -177,6 +186,11 @@ WORKER_OBJECT_STATE: Mapping[str, StateRow] = MappingProxyType(
             "one integer per workspace used since the worker started",
             "exact: the fences come from the store, one per holder of the workspace's "
             "deployment-wide lock; an operation with a lower one stops before its next git step",
+        ),
+        "WorkspaceHost._git_slots": StateRow(
+            "bounds the workspaces whose git runs at once on this worker",
+            "4 (`GIT_SLOTS`); the others wait their turn",
+            "per-process by nature: the git processes are this host's",
         ),
         "WorkspaceHost._locks": StateRow(
             "serialises the mount, unmount and git operations of each workspace on this worker",

@@ -51,6 +51,7 @@ IMAGE: Final = "disk.img"
 LOCK: Final = "lock"
 FILES: Final = "files"
 GIT: Final = "git"
+GIT_SLOTS: Final = 4  # workspaces whose git runs at once on one worker (the rest wait)
 FAULT_PAUSE: Final = 3.0  # the pause-workspace-git fault's wait between two git steps
 
 T = TypeVar("T")
@@ -86,6 +87,8 @@ class WorkspaceHost:
         # freezes (True) or thaws the sandboxes here that mount a workspace, around each
         # commit and restore (set by the worker's service, which knows its sandboxes)
         self.freeze: Callable[[str, bool], Awaitable[int]] | None = None
+        # bounds the git work running at once on this host, whatever the number of workspaces
+        self._git_slots = asyncio.Semaphore(GIT_SLOTS)
 
     # -- start -------------------------------------------------------------------------
     def prepare(self, *, disk_problem: str | None) -> None:
@@ -212,7 +215,21 @@ class WorkspaceHost:
                 gid=self.storage_uid,
                 check=check,
             )
-            return await asyncio.to_thread(work, git)
+
+            # a cancelled request (its caller went away) must not let the next operation in
+            # while this one's git still runs: the thread ends (at its next step, once a
+            # newer fence arrived) before the workspace's lock and mount are let go
+            async def bounded() -> T:
+                async with self._git_slots:
+                    return await asyncio.to_thread(work, git)
+
+            running = asyncio.ensure_future(bounded())
+            try:
+                return await asyncio.shield(running)
+            except asyncio.CancelledError:
+                with contextlib.suppress(BaseException):
+                    await running
+                raise
         finally:
             await self._release(ws_id)
 

@@ -138,6 +138,22 @@ def test_an_expired_sandbox_commits_its_workspace(alpha: httpx.Client) -> None:
     assert [f["path"] for f in shown["files"]] == ["words"]
 
 
+def test_a_diff_larger_than_a_frame_keeps_the_tunnel(alpha: httpx.Client) -> None:
+    """300 KB of control characters is 1.8 MB as JSON: such a diff once closed the worker's
+    tunnel, failing every tenant's calls on it."""
+    workspace(alpha, "escapes")
+    s = sandbox_with(alpha, workspace="escapes")
+    code = "open('x', 'w').write((chr(1) * 99 + chr(10)) * 3000)"
+    made = alpha.post(f"/api/v1/sandboxes/{s}/execute", json={"language": "python", "code": code})
+    assert made.status_code == 200 and made.json()["exit_code"] == 0, made.text
+    sha = alpha.post("/api/v1/workspaces/escapes/commits", json={}).json()["commit"]["sha"]
+    shown = alpha.get(f"/api/v1/workspaces/escapes/commits/{sha}")
+    assert shown.status_code == 200, shown.text
+    assert shown.json()["files"][0]["path"] == "x" and "\x01" in shown.json()["patch"]
+    assert run(alpha, s, "echo still")["stdout"] == "still\n"  # the tunnel stayed up
+    alpha.delete(f"/api/v1/sandboxes/{s}")
+
+
 def test_another_tenant_never_reaches_it(alpha: httpx.Client, beta: httpx.Client) -> None:
     workspace(alpha, "private")
     a = sandbox_with(alpha, workspace="private")

@@ -8,6 +8,7 @@ import asyncio
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 
 from sandgate.core.workspaces import new_workspace_id
 from sandgate.errors import ConflictError, NotFoundError
-from sandgate.worker import disk, idmap
+from sandgate.worker import cgroups, disk, git_history, idmap
 from sandgate.worker.git_history import Author, GitHistory
 from sandgate.worker.workspaces import STORAGE_UID, WorkspaceHost
 
@@ -171,3 +172,89 @@ async def test_a_planted_repository_config_never_runs(base: Path) -> None:
     assert made.created and not marker.exists()
     assert "evil" not in (git_dir / "config").read_text()
     await one.release(ws_id)
+
+
+async def test_a_cancelled_operation_holds_the_workspace_until_its_git_ends(base: Path) -> None:
+    """Its caller went away (an instance died): the next operation must not run git beside
+    the one still running in its thread."""
+    one = host(base, "w1")
+    ws_id = new_workspace_id()
+    await one.create(ws_id, "alpha", 16, AUTHOR)
+    started, finish = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def slow(git: GitHistory) -> None:
+        started.set()
+        finish.wait(10)
+        order.append("first ended")
+
+    def second(git: GitHistory) -> None:
+        order.append("second ran")
+
+    first = asyncio.ensure_future(one.run(ws_id, "alpha", 1, slow))
+    await asyncio.to_thread(started.wait, 10)
+    first.cancel()
+    after = asyncio.ensure_future(one.run(ws_id, "alpha", 2, second))
+    await asyncio.sleep(0.2)
+    assert order == []  # the second waits: the first's git is still running
+    finish.set()
+    await after
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert order == ["first ended", "second ran"]
+    assert mounted_below(base) == []
+
+
+async def test_a_diff_too_slow_to_count_gets_names_only(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tree made to be slow to diff (files just under the binary threshold, every line
+    changed) once cost a minute of the worker's CPU per request: past its budget, a diff
+    answers the changed paths without line counts or patch."""
+    one = host(base, "w1")
+    ws_id = new_workspace_id()
+    await one.create(ws_id, "alpha", 16, AUTHOR)
+    files = await one.attach(ws_id, "alpha")
+    (files / "a").write_text("x\n" * 1000)
+    os.chown(files / "a", STORAGE_UID, STORAGE_UID)
+    made = await one.run(ws_id, "alpha", 1, lambda git: git.commit("c", AUTHOR))
+    monkeypatch.setattr(git_history, "SHOW_BUDGET", 0.0)  # every count is over budget
+    shown = await one.run(ws_id, "alpha", None, lambda git: git.show(made.commit.sha))
+    assert [f.path for f in shown.files] == ["a"]
+    assert shown.files[0].added is None and shown.patch == "" and shown.truncated
+    monkeypatch.undo()
+    shown = await one.run(ws_id, "alpha", None, lambda git: git.show(made.commit.sha))
+    assert shown.files[0].added == 1000 and "+x" in shown.patch
+    await one.release(ws_id)
+
+
+async def test_freeze_holds_thaw_only_at_the_last(base: Path) -> None:
+    """A sandbox mounting two workspaces was thawed by one commit's end while the other's
+    still ran, so it could race the second commit's git."""
+    unified = Path("/sys/fs/cgroup/unified")
+    if not (unified / "cgroup.procs").exists():
+        unified = Path("/sys/fs/cgroup")
+    group = unified / f"sandgate-test-freeze-{os.getpid()}"
+    group.mkdir()
+    if not (group / "cgroup.freeze").exists():
+        group.rmdir()
+        pytest.skip("no cgroup v2 freezer here")
+    sleeper = subprocess.Popen(["sleep", "30"])  # noqa: ASYNC220
+    try:
+        (group / "cgroup.procs").write_text(str(sleeper.pid))
+        holds: dict[str, int] = {}
+
+        def frozen() -> bool:
+            return "frozen 1" in (group / "cgroup.events").read_text().splitlines()
+
+        assert await cgroups.hold_frozen(holds, "s", [group], True) and frozen()
+        assert await cgroups.hold_frozen(holds, "s", [group], True) and holds == {"s": 2}
+        assert await cgroups.hold_frozen(holds, "s", [group], False)
+        assert frozen()  # one hold left: still frozen
+        assert await cgroups.hold_frozen(holds, "s", [group], False)
+        assert not frozen() and holds == {}
+        assert not await cgroups.hold_frozen(holds, "s", [group], False)  # none to give back
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        group.rmdir()
