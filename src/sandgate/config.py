@@ -73,6 +73,8 @@ class ServerSettings(_Frozen):
     # while others wait, a tenant holding at least this fraction of the connected workers'
     # capacity waits behind them (sandgate.core.fair_queue); None: no share, tenants in turn
     tenant_share: float | None = Field(default=None, gt=0.0, le=1.0)
+    # GET /metrics asks for `Authorization: Bearer <metrics_token>` when set ("": open)
+    metrics_token: str = ""
     # auth cache: a revoked key stops working on every instance within this
     auth_cache_ttl: float = 5.0
 

@@ -313,7 +313,7 @@ def test_a_partition_is_tunnel_loss_not_a_scheduling_timeout(
         r = c.post("/api/v1/sandboxes", json={})
         assert r.status_code == 201, r.text
         metrics = c.get("/metrics").text
-        assert "sandgate_tunnel_losses_total 4" in metrics, metrics
+        assert "sandgate_tunnel_losses_total 4.0" in metrics, metrics
 
 
 def test_deletes_cut_at_random_points_leave_nothing_on_the_worker(

@@ -60,6 +60,7 @@ MUTABLE_CALLS = {
     "create_future",
     "Future",
     "field",
+    "CollectorRegistry",  # Prometheus series (api/metrics.py)
 }
 
 

@@ -14,6 +14,7 @@ from sandgate.api.deps import Services
 from sandgate.api.e2b.dispatch import E2BDispatch
 from sandgate.api.internal_auth import InternalAuth
 from sandgate.api.limits import BodyLimit
+from sandgate.api.metrics import ApiMetrics, RequestMetrics
 from sandgate.api.ports import is_proxied_path
 from sandgate.api.routes import (
     admission,
@@ -62,6 +63,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
         instance_lock = hold_instance_lock(settings.db_url)
         store = await open_store(settings.db_url)
         state = ServerLocalState()
+        metrics = ApiMetrics(state, lambda: store.statements)
+        store.observe_statement = metrics.store_statement.observe
         node_url = settings.node_url or f"http://{settings.host}:{settings.port}"
         peers = PeerClient(secret=settings.secret, state=state)
         workers = WorkerRegistry(
@@ -95,6 +98,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             BuildService(store, settings, templates_service, creates, toolbox, service),
             PortService(toolbox),
             workspaces_service,
+            metrics,
         )
         try:
             # this instance holds no tunnel yet: records naming it are from before a crash or
@@ -173,4 +177,5 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
     # outermost: E2B's REST API and envd (api/e2b) share the port, each with its own limits
     app.add_middleware(E2BDispatch, state=app.state, settings=settings)
+    app.add_middleware(RequestMetrics, state=app.state)  # outermost: every request, timed
     return app

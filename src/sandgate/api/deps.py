@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from sandgate.api.metrics import ApiMetrics
 from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission
 from sandgate.control.builds import BuildService
@@ -47,6 +48,7 @@ class Services:
     builds: BuildService  # templates built from steps, in the tenants' sandboxes
     ports: PortService  # connections to servers inside sandboxes (previews)
     workspaces: WorkspaceService  # persistent trees with a git history
+    metrics: ApiMetrics  # this instance's Prometheus series (GET /metrics)
 
 
 def services(request: Request) -> Services:

@@ -173,6 +173,14 @@ def server(
             envvar="SANDGATE_MAX_DISK_MB", min=64, help="disk quota cap per sandbox (MiB)"
         ),
     ] = 10240,
+    metrics_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="SANDGATE_METRICS_TOKEN_FILE",
+            help="file holding a token GET /metrics then asks for (Authorization: Bearer ...); "
+            "default: /metrics is open",
+        ),
+    ] = None,
     max_workspace_mb: Annotated[
         int,
         typer.Option(
@@ -257,6 +265,7 @@ def server(
         caps=resource_caps,
         max_workspace_mb=max_workspace_mb,
         max_workspaces=max_workspaces,
+        metrics_token=metrics_token_file.read_text().strip() if metrics_token_file else "",
         default_workspace_mb=min(1024, max_workspace_mb),
         exec_job_retention=exec_job_retention,
         sandbox_retention=sandbox_retention,

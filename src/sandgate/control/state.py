@@ -75,6 +75,10 @@ class ServerLocalState:
     # tunnels this instance gave up on because they went silent (a partition): a counter
     # for /metrics, kept apart from scheduling timeouts.
     tunnel_losses: int = 0
+    # tunnels this instance accepted and served, and requests it relayed to the instance
+    # holding a worker's tunnel: counters for /metrics
+    tunnel_attaches: int = 0
+    forwarded: int = 0
     # queued creates whose client left, by what became of them: "kept" (keyed: it goes on
     # and the retry with the key takes it over) or "abandoned" (unkeyed): for /metrics.
     queue_clients_left: dict[str, int] = field(default_factory=lambda: {"kept": 0, "abandoned": 0})
@@ -194,6 +198,23 @@ SERVER_STATE: Mapping[str, StateRow] = MappingProxyType(
             "how many worker tunnels this instance dropped because they went silent",
             "one counter",
             "per-process by nature: a Prometheus counter; the scraper sums the instances",
+        ),
+        "ServerLocalState.tunnel_attaches": StateRow(
+            "how many worker tunnels this instance accepted and served",
+            "one counter",
+            "per-process by nature: a Prometheus counter; the scraper sums the instances",
+        ),
+        "ServerLocalState.forwarded": StateRow(
+            "how many requests this instance relayed to the instance holding a worker's tunnel",
+            "one counter",
+            "per-process by nature: a Prometheus counter; the scraper sums the instances",
+        ),
+        "ApiMetrics.registry": StateRow(
+            "this instance's Prometheus series: request, create, execute and store-statement "
+            "histograms, the store's deployment-wide gauges (refreshed per scrape)",
+            "the routes × statuses seen (route templates, never paths), the workers",
+            "per-process by nature: each instance exports its own; Prometheus sums the "
+            "counters, and the store-read gauges are the same on every instance",
         ),
         "ServerLocalState.queue_clients_left": StateRow(
             "how many queued creates this instance saw their client leave: kept (keyed) or "

@@ -115,6 +115,7 @@ class WorkerRegistry:
         that this instance holds it, and deliver the creates that wait for this worker."""
         old = self.state.tunnels.get(session.worker)
         self.state.tunnels[session.worker] = session  # before any await: routed from now on
+        self.state.tunnel_attaches += 1
         if old is not None and old is not session:
             log.warning("tunnel.replaced", extra={"worker": session.worker})
             old.channel.close(TunnelUnavailableError("replaced by a newer tunnel"))
@@ -254,6 +255,7 @@ class WorkerRegistry:
             if node_url is None or node_url == self.node_url:
                 raise TunnelUnavailableError("sandbox tunnel not available", retry_after=2.0)
             self.state.cache_owner(worker, node_url)
+        self.state.forwarded += 1
         try:
             return await self.peers.tunnel_call(node_url, worker, op, fields, payload, wait=wait)
         except UnavailableError:

@@ -6,7 +6,7 @@ Times are aware UTC datetimes. Methods raise `sandgate.errors.StoreError` subcla
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, NewType, Protocol
@@ -194,6 +194,9 @@ class Store(Protocol):
     @property
     def statements(self) -> int: ...  # statements sent to the database by this process so far
 
+    # each statement's duration goes to it (api/metrics.py); None: nowhere
+    observe_statement: Callable[[float], None] | None
+
     async def aclose(self) -> None: ...
 
     # tenants and keys
@@ -249,6 +252,7 @@ class Store(Protocol):
     async def list_tenant_scheduling_timeouts(
         self, tenant_id: TenantId, since: datetime, limit: int
     ) -> list[SchedulingTimeout]: ...
+    async def count_sandboxes_by_state(self) -> dict[str, int]: ...
     async def list_expired(self, now: datetime, limit: int) -> list[Sandbox]: ...  # running
     # pending sandboxes created before `before`: their create never finished
     async def list_stale_pending(self, before: datetime, limit: int) -> list[Sandbox]: ...

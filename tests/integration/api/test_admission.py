@@ -135,7 +135,7 @@ def test_a_keyed_create_outlives_its_client_leaving_the_queue(small: Deployment)
             pytest.raises(httpx.ReadTimeout),
         ):
             impatient.post("/api/v1/sandboxes", json={}, headers={"Idempotency-Key": "stay"})
-        kept = 'sandgate_queue_clients_left_total{outcome="kept"} 1'
+        kept = 'sandgate_queue_clients_left_total{outcome="kept"} 1.0'
         wait_until(
             lambda: kept in admin.get("/metrics").text.splitlines(),
             what="the server saw the client go and kept its keyed create",

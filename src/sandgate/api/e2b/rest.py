@@ -192,6 +192,7 @@ async def create(
     result = await svc.creates.create(who, request, idempotency_key, http.is_disconnected)
     if mounts[0] and result.sandbox.worker is not None:
         await svc.workspaces.placed(mounts[0], result.sandbox.worker)
+    svc.metrics.created(result.sandbox, replayed=result.replayed)
     headers = {"Idempotent-Replayed": "true"} if result.replayed else None
     # E2B answers 201 to a retry too (its SDK reads any other status as no sandbox)
     return JSONResponse(_created(svc, result.sandbox), status_code=201, headers=headers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
@@ -119,6 +120,7 @@ async def create_sandbox(
     result = await svc.creates.create(who, request, idempotency_key, http.is_disconnected)
     if mounts[0] and result.sandbox.worker is not None:
         await svc.workspaces.placed(mounts[0], result.sandbox.worker)
+    svc.metrics.created(result.sandbox, replayed=result.replayed)
     if result.replayed:
         return JSONResponse(
             sandbox_out(result.sandbox), status_code=200, headers={"Idempotent-Replayed": "true"}
@@ -205,9 +207,22 @@ async def _execute(name: str, body: Execute, who: TenantId, svc: Services) -> di
     timeout = body.timeout if body.timeout is not None else svc.settings.default_exec_timeout
     if timeout > svc.settings.max_exec_timeout:
         raise InvalidRequestError(f"timeout is at most {svc.settings.max_exec_timeout:g} seconds")
-    ran = await svc.toolbox.execute(
-        who, name, body.code, language=body.language, time_limit=timeout, env=body.env, cwd=body.cwd
-    )
+    started = time.perf_counter()
+    try:
+        ran = await svc.toolbox.execute(
+            who,
+            name,
+            body.code,
+            language=body.language,
+            time_limit=timeout,
+            env=body.env,
+            cwd=body.cwd,
+        )
+    except BaseException:
+        svc.metrics.execute.labels("error").observe(time.perf_counter() - started)
+        raise
+    outcome = "timed_out" if ran.timed_out else "ok"
+    svc.metrics.execute.labels(outcome).observe(time.perf_counter() - started)
     return {
         "stdout": ran.stdout,
         "stderr": ran.stderr,

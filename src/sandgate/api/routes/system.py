@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import hmac
+import logging
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, WebSocket
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi import APIRouter, Depends, Request, Response, WebSocket
+from fastapi.responses import JSONResponse
 
 from sandgate.api.deps import Services, Viewer, presented_key, resolve_key, services, viewer
+from sandgate.api.metrics import CONTENT_TYPE
 from sandgate.core.clock import utcnow
-from sandgate.errors import AuthError, StoreError
+from sandgate.errors import AuthError, SandgateError, StoreError
 from sandgate.tunnel.hub import serve_tunnel
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 Who = Annotated[Viewer, Depends(viewer)]
 Svc = Annotated[Services, Depends(services)]
@@ -84,29 +88,18 @@ async def _store_problem(svc: Services) -> str:
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics(svc: Svc) -> PlainTextResponse:
-    """Prometheus text format."""
-    lines = [
-        "# HELP sandgate_store_statements_total Statements this instance sent to the store.",
-        "# TYPE sandgate_store_statements_total counter",
-        f"sandgate_store_statements_total {svc.store.statements}",
-        "# HELP sandgate_tunnels Worker tunnels held by this instance.",
-        "# TYPE sandgate_tunnels gauge",
-        f"sandgate_tunnels {len(svc.state.tunnels)}",
-        "# HELP sandgate_tunnel_losses_total Worker tunnels this instance dropped because they "
-        "went silent (a partition): answered 503 tunnel_unavailable, never counted as "
-        "scheduling timeouts.",
-        "# TYPE sandgate_tunnel_losses_total counter",
-        f"sandgate_tunnel_losses_total {svc.state.tunnel_losses}",
-        "# HELP sandgate_queue_clients_left_total Queued creates on this instance whose client "
-        "left: kept (keyed, its retry takes it over) or abandoned (unkeyed).",
-        "# TYPE sandgate_queue_clients_left_total counter",
-        *(
-            f'sandgate_queue_clients_left_total{{outcome="{outcome}"}} {count}'
-            for outcome, count in sorted(svc.state.queue_clients_left.items())
-        ),
-    ]
-    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+async def metrics(request: Request, svc: Svc) -> Response:
+    """Prometheus text format (api/metrics.py); behind `--metrics-token` when one is set."""
+    token = svc.settings.metrics_token
+    if token:
+        presented = request.headers.get("authorization", "")
+        if not hmac.compare_digest(presented.encode(), f"Bearer {token}".encode()):
+            raise AuthError("/metrics takes the metrics token: Authorization: Bearer <token>")
+    try:
+        await svc.metrics.refresh(svc.store, svc.workers, svc.admission)
+    except SandgateError as exc:  # the store is down: this instance's own series still serve
+        log.warning("metrics.refresh_failed", extra={"error": exc.message})
+    return Response(svc.metrics.exposition(), media_type=CONTENT_TYPE)
 
 
 @router.websocket("/tunnel")

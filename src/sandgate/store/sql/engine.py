@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -68,12 +69,21 @@ class Database:
         self.counters: Final = self.auto if counters is None else counters
         # statements sent to the database by this process (exported on /metrics)
         self.statements = 0
+        # what each statement's time goes to (api/metrics.py sets a histogram's observe)
+        self.observe_statement: Callable[[float], None] | None = None
         for each in (engine, counters):
             if each is not None:
                 event.listen(each.sync_engine, "before_cursor_execute", self._count_statement)
+                event.listen(each.sync_engine, "after_cursor_execute", self._time_statement)
 
-    def _count_statement(self, *_args: Any) -> None:
+    def _count_statement(self, conn: Any, *_args: Any) -> None:
         self.statements += 1
+        conn.info["sandgate_sent"] = time.perf_counter()
+
+    def _time_statement(self, conn: Any, *_args: Any) -> None:
+        sent = conn.info.pop("sandgate_sent", None)
+        if sent is not None and self.observe_statement is not None:
+            self.observe_statement(time.perf_counter() - sent)
 
     def begin(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A transaction: committed when the block ends, rolled back if it raises."""

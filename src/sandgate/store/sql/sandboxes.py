@@ -52,6 +52,7 @@ _SQLITE_PATH_SAFE_KEY = re.compile(r"[A-Za-z0-9_\-.:/@ ]+")
 
 # --- create
 _INSERT_SANDBOX = insert(sandboxes)
+_COUNT_BY_STATE = select(sandboxes.c.state, func.count().label("n")).group_by(sandboxes.c.state)
 _INSERT_JOB = insert(jobs)
 _SELECT_IDEMPOTENCY = select(idempotency_keys).where(
     idempotency_keys.c.tenant_id == bindparam("b_tenant_id"),
@@ -340,6 +341,12 @@ class Sandboxes:
         params = {"b_before": before, "b_limit": limit}
         found = [rows.sandbox(r) for r in await self._db.fetch_all(_SELECT_STALE_PENDING, params)]
         return [sb for sb in found if sb.state == "pending" and sb.created_at < before]
+
+    @store_op
+    async def count_sandboxes_by_state(self) -> dict[str, int]:
+        """How many sandboxes of the deployment are in each state (for /metrics)."""
+        found = await self._db.fetch_all(_COUNT_BY_STATE, {})
+        return {str(r.state): int(r.n) for r in found}
 
     @store_op
     async def list_expired(self, now: datetime, limit: int) -> list[Sandbox]:

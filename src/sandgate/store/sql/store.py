@@ -7,7 +7,7 @@ what, and mypy checks every signature against the Protocol (`_implements_protoco
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy import Row
@@ -52,6 +52,7 @@ class SqlStore:
         self.list_worker_sandboxes = sandboxes.list_worker_sandboxes
         self.list_stale_pending = sandboxes.list_stale_pending
         self.list_expired = sandboxes.list_expired
+        self.count_sandboxes_by_state = sandboxes.count_sandboxes_by_state
         self.mark_running = sandboxes.mark_running
         self.set_sandbox_state = sandboxes.set_sandbox_state
         self.set_expiry = sandboxes.set_expiry
@@ -156,6 +157,15 @@ class SqlStore:
     def statements(self) -> int:
         """Statements sent to the database by this process (exported on /metrics)."""
         return self._db.statements
+
+    @property
+    def observe_statement(self) -> Callable[[float], None] | None:
+        return self._db.observe_statement
+
+    @observe_statement.setter
+    def observe_statement(self, observe: Callable[[float], None] | None) -> None:
+        """Give each statement's duration (seconds) to `observe` (a histogram's)."""
+        self._db.observe_statement = observe
 
     # --- white-box seams of the store's contract tests (tests/integration/store)
 
