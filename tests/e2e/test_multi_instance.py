@@ -675,3 +675,29 @@ def test_postgres_instance_refuses_without_node_url_or_secret_or_schema(
         assert "sandgate migrate" in message, message
     finally:
         pg(cluster.admin_dsn, f'DROP DATABASE IF EXISTS "{empty}" WITH (FORCE)')
+
+
+@pytest.mark.timeout(90)
+def test_a_request_id_follows_a_create_to_the_owner_and_the_worker(clean: Cluster) -> None:
+    """B accepts the create, A (the tunnel's instance) delivers it, the worker starts the
+    sandbox: the id B's client sent is on the answer, in B's and A's access logs and on the
+    worker's own line for that sandbox."""
+    b = clean.instances["B"]
+    rid = f"trace-{uuid.uuid4().hex[:12]}"
+    with clean.client(b) as c:
+        made = c.post("/api/v1/sandboxes", json={}, headers={"X-Request-Id": rid})
+        assert made.status_code == 201, made.text
+        assert made.headers["x-request-id"] == rid
+        name = made.json()["name"]
+        fresh = c.get("/api/v1/sandboxes")
+        assert fresh.headers["x-request-id"] not in ("", rid)  # each request its own
+    started = [
+        r
+        for r in clean.worker_records()
+        if r.get("message") == "sandbox.started" and r.get("sandbox") == name
+    ]
+    assert [r.get("request_id") for r in started] == [rid], started
+    a_log = clean.instances["A"].log.read_text(errors="replace")
+    b_log = b.log.read_text(errors="replace")
+    assert rid in b_log and "http.request" in b_log
+    assert rid in a_log  # the delivery B asked A for, under the same id

@@ -16,6 +16,7 @@ from sandgate.api.internal_auth import InternalAuth
 from sandgate.api.limits import BodyLimit
 from sandgate.api.metrics import ApiMetrics, RequestMetrics
 from sandgate.api.ports import is_proxied_path
+from sandgate.api.request_context import RequestContext
 from sandgate.api.routes import (
     admission,
     contexts,
@@ -31,7 +32,7 @@ from sandgate.api.routes import (
     workspaces,
 )
 from sandgate.config import ServerSettings
-from sandgate.control.admission import Admission
+from sandgate.control.admission import Admission, instance_label
 from sandgate.control.builds import BuildService
 from sandgate.control.contexts import ContextService
 from sandgate.control.create import CreatePipeline
@@ -177,5 +178,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
     # outermost: E2B's REST API and envd (api/e2b) share the port, each with its own limits
     app.add_middleware(E2BDispatch, state=app.state, settings=settings)
-    app.add_middleware(RequestMetrics, state=app.state)  # outermost: every request, timed
+    app.add_middleware(RequestMetrics, state=app.state)  # every request, timed
+    # outermost: each request's id and context for every line logged while it is served
+    node = settings.node_url or f"http://{settings.host}:{settings.port}"
+    app.add_middleware(RequestContext, instance=instance_label(node))
     return app

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from sandgate import log_context
 from sandgate.api.metrics import ApiMetrics
 from sandgate.config import ServerSettings
 from sandgate.control.admission import Admission
@@ -98,6 +99,7 @@ async def tenant(request: Request) -> TenantId:
     admin keys are refused (403)."""
     svc = services(request)
     who = tenant_of(await resolve_key(svc, presented_key(request.headers)))
+    log_context.bind(tenant=who)
     await svc.admission.check_rate(who)
     return who
 

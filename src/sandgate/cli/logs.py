@@ -1,47 +1,52 @@
-"""Log setup for every command: one line per event, with its structured fields.
+"""Log setup for every command: one event per line, with structlog.
 
-`SANDGATE_LOG_FORMAT=json` writes each record as one JSON object instead (`time`, `level`,
-`logger`, `message` and the record's structured fields), for whatever reads the log by
-machine: the e2e tests read the worker's account of what it started from it.
+Code logs through the standard library (`log.info("sandbox.started", extra={...})`); a
+structlog `ProcessorFormatter` renders each record with its structured fields and what the
+request's context holds (`log_context.py`: request id, tenant, sandbox, instance).
+`SANDGATE_LOG_FORMAT=json` (or `--log-format json`) writes one JSON object a line (`time`,
+`level`, `logger`, `message` and the fields), for whatever reads the log by machine: the e2e
+tests read the worker's account of what it started from it. `text` (the default) is
+structlog's console rendering, coloured on a terminal.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
-from datetime import UTC, datetime
-from typing import Any
 
-_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
-
-
-def _extra(record: logging.LogRecord) -> dict[str, Any]:
-    return {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
+import structlog
+from structlog.typing import EventDict, Processor
 
 
-class _Fields(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
-        extra = _extra(record)
-        if extra:
-            line += " " + " ".join(f"{k}={v!r}" for k, v in sorted(extra.items()))
-        return line
+def _upper_level(_logger: object, _name: str, event: EventDict) -> EventDict:
+    event["level"] = str(event.get("level", "")).upper()  # INFO, WARNING: as before
+    return event
 
 
-class _Json(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            **_extra(record),
-            "time": datetime.fromtimestamp(record.created, UTC).isoformat(),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            out["exc_info"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+def _chain(fmt: str) -> list[Processor]:
+    """What every record goes through: the request's context, its level and logger, its
+    `extra` fields, the time (`time` in JSON; first on the line in text)."""
+    return [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        _upper_level,
+        structlog.stdlib.add_logger_name,
+        structlog.stdlib.ExtraAdder(),
+        structlog.processors.TimeStamper(
+            fmt="iso", utc=True, key="time" if fmt == "json" else "timestamp"
+        ),
+    ]
+
+
+def _renderer(fmt: str) -> list[Processor]:
+    if fmt == "json":
+        return [
+            structlog.processors.format_exc_info,
+            structlog.processors.EventRenamer("message"),
+            structlog.processors.JSONRenderer(default=str),
+        ]
+    return [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), sort_keys=True)]
 
 
 def setup(level: str = "INFO", fmt: str | None = None) -> None:
@@ -50,10 +55,15 @@ def setup(level: str = "INFO", fmt: str | None = None) -> None:
     if fmt not in ("text", "json"):
         raise ValueError(f"log format {fmt!r}: use text or json")
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(_Json())
-    else:
-        handler.setFormatter(_Fields("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=_chain(fmt),
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                *_renderer(fmt),
+            ],
+        )
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

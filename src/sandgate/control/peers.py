@@ -20,6 +20,7 @@ import httpx
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
+from sandgate import log_context
 from sandgate.agent.frames import MAX_PAYLOAD_BYTES, Header, decode
 from sandgate.control.state import ServerLocalState
 from sandgate.core.signing import signed_headers
@@ -180,6 +181,8 @@ class PeerClient:
     ) -> httpx.Response:
         headers = signed_headers(self._secret, "POST", path, time.time(), body)
         headers["content-type"] = content_type
+        if (rid := log_context.request_id()) is not None:  # the peer's lines say it too
+            headers[log_context.HEADER] = rid
         try:
             response = await self._http.post(
                 node_url.rstrip("/") + path,

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import timedelta
 
+from sandgate import log_context
 from sandgate.agent.frames import Header
 from sandgate.control.state import ServerLocalState
 from sandgate.control.workers import WorkerRegistry
@@ -43,6 +44,7 @@ class SandboxService:
 
     # -- read --------------------------------------------------------------------------------
     async def get(self, tenant: TenantId, name: str) -> Sandbox:
+        log_context.bind(sandbox=name)
         sandbox = await self.store.get_tenant_sandbox(tenant, SandboxName(name))
         if sandbox is None or sandbox.state == "deleted":
             raise NotFoundError(f"sandbox {name} not found")
@@ -70,6 +72,7 @@ class SandboxService:
         Safe under N instances: a sandbox stopped elsewhere within that second is gone from
         its worker too, whose answer (409 not running) is the final word.
         """
+        log_context.bind(sandbox=name)
         cached = self.state.cached_running(tenant, name)
         if cached is not None:
             return cached

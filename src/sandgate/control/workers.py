@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from sandgate import log_context
 from sandgate.agent.frames import Header
 from sandgate.control.peers import PeerClient
 from sandgate.control.state import ServerLocalState
@@ -244,6 +245,7 @@ class WorkerRegistry:
     ) -> tuple[Header, bytes]:
         """A tunnel request to `worker`: down our own tunnel, or through the instance that
         holds it. `forward=False` is the hop guard for requests that came from a peer."""
+        fields = _with_request_id(fields)
         session = self.local(worker)
         if session is not None:
             return await self.call(session, op, fields, payload, wait=wait)
@@ -280,6 +282,7 @@ class WorkerRegistry:
         PROBE_GRACE s past `wait`. Any frame from the worker after the ping was sent (its
         answer, a heartbeat, another call's answer) proves the link.
         """
+        fields = _with_request_id(fields)
         probe: asyncio.Task[None] | None = None
         asked_at = 0.0
 
@@ -428,3 +431,11 @@ class WorkerRegistry:
                 )
             raise AtCapacityError("every connected worker is at capacity", retry_after=5.0)
         return best[1]
+
+
+def _with_request_id(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields, with the current request's id for the worker's (and the peer's) lines."""
+    rid = log_context.request_id()
+    if rid is None or log_context.FIELD in fields:
+        return fields
+    return {**fields, log_context.FIELD: rid}

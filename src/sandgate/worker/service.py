@@ -35,6 +35,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from sandgate import log_context
 from sandgate.agent.frames import Header
 from sandgate.core import placement
 from sandgate.core.egress_policy import NetworkPolicy, parse_policy
@@ -132,6 +133,12 @@ class WorkerService:
                 log.exception("worker.cleanup_failed")
 
     async def handle(self, header: Header, payload: bytes) -> tuple[Header, bytes]:
+        """One tunnel request, in the context of the control plane's request that made it
+        (its id on every line logged meanwhile)."""
+        with log_context.request(header.get(log_context.FIELD)):
+            return await self._handle(header, payload)
+
+    async def _handle(self, header: Header, payload: bytes) -> tuple[Header, bytes]:
         op = header.get("op")
         if op == "agent":
             return await self._relay(header, payload)

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.websockets import WebSocketDisconnect
 
+from sandgate import log_context
 from sandgate.agent.frames import FrameError, Header, decode
 from sandgate.api.deps import Services, services
 from sandgate.api.routes.sandboxes import sandbox_out
@@ -75,9 +76,10 @@ async def peer(ws: WebSocket) -> None:
             raise InvalidRequestError("a tunnel request needs worker, op and fields")
         if not isinstance(wait, int | float) or not 0 < wait <= 3600:
             raise InvalidRequestError("wait must be a number of seconds up to 3600")
-        reply, body = await svc.workers.request(
-            worker, op, fields, payload, wait=float(wait), forward=False
-        )
+        with log_context.request(fields.get(log_context.FIELD)):  # the origin's id
+            reply, body = await svc.workers.request(
+                worker, op, fields, payload, wait=float(wait), forward=False
+            )
         reply.pop("id", None)
         reply.pop("ok", None)
         return reply, body
