@@ -1,4 +1,5 @@
-"""`sandgate sandbox ...`: create, list, remove, run in, follow and preview sandboxes, on the SDK.
+"""`sandgate sandbox ...`: create, list, inspect, extend, remove, run in, follow and preview
+sandboxes, and talk to their background processes, on the SDK.
 
 Every client command takes `--url` (`$SANDGATE_URL`) and `--api-key` (`$SANDGATE_API_KEY`),
 defaulting as the SDK does: the local `sandgate up` whose `./.sandgate/url` and
@@ -9,18 +10,21 @@ never a traceback.
 from __future__ import annotations
 
 import contextlib
+import json
 import shlex
 import sys
 from collections.abc import Iterator
-from datetime import datetime
-from typing import TYPE_CHECKING, Annotated
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 if TYPE_CHECKING:
-    from sandgate.client import Sandgate
+    from sandgate.client import SandboxInfo, Sandgate
 
-app = typer.Typer(help="Create, list, remove and run commands in sandboxes.", no_args_is_help=True)
+app = typer.Typer(
+    help="Create, inspect, list, remove and run commands in sandboxes.", no_args_is_help=True
+)
 AllowOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -54,6 +58,7 @@ NameArg = Annotated[str, typer.Argument(help="sandbox name", show_default=False)
 
 HIDDEN_METADATA = ("idem", "idem_owner")
 CLIENT_FAILED = 255  # as ssh: the exit code when the client itself failed in exec and shell
+STDIN_PIECE_BYTES = 1 << 20  # `stdin -` sends what it read, up to this much at a time
 
 
 def connect(url: str | None, api_key: str | None) -> Sandgate:
@@ -79,6 +84,13 @@ def reported_errors(exit_code: int = 1) -> Iterator[None]:
     except KeyboardInterrupt:
         typer.echo("", err=True)
         raise typer.Exit(130) from None
+
+
+def misuse(message: str) -> typer.Exit:
+    """A command called wrongly: print one `error:` line saying what to do; raise what this
+    returns (exit 2, as usage errors do)."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
 
 
 def pairs(values: list[str] | None, what: str) -> dict[str, str]:
@@ -183,12 +195,7 @@ def network(
             state = client.sandboxes.set_network(name, policy)
         else:
             state = client.sandboxes.network_state(name)
-    rules = state.network
-    if isinstance(rules, dict):
-        shown = "; ".join(f"{k}: {', '.join(v) or '-'}" for k, v in rules.items())
-    else:
-        shown = "the public internet" if rules else "off (loopback only)"
-    typer.echo(f"network: {shown}")
+    typer.echo(f"network: {_network_text(state.network)}")
     typer.echo(
         f"connections: {state.allowed} let through ({state.open} open), {state.refused} "
         f"refused; names refused: {state.dns_refused}"
@@ -198,8 +205,114 @@ def network(
         typer.echo(f"  {when}  {refusal['target']}: {refusal['reason']}")
 
 
+def _network_text(rules: bool | dict[str, list[str]] | None) -> str:
+    if isinstance(rules, dict):
+        return "; ".join(f"{k}: {', '.join(v) or '-'}" for k, v in rules.items())
+    return "the public internet" if rules else "off (loopback only)"
+
+
 def _when(value: datetime | None) -> str:
     return value.astimezone().strftime("%Y-%m-%d %H:%M:%S") if value else "-"
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value else None
+
+
+def _row(box: SandboxInfo) -> dict[str, Any]:
+    """A sandbox as the API describes it (the same fields and JSON types)."""
+    return {
+        "name": box.name,
+        "state": box.state,
+        "template": box.template,
+        "metadata": box.metadata,
+        "worker": box.worker,
+        "network": box.network,
+        "network_policy": box.network_policy,
+        "resources": box.resources,
+        "workspaces": [{"name": m.name, "path": m.path} for m in box.workspaces],
+        "timeout": box.timeout,
+        "created_at": _iso(box.created_at),
+        "started_at": _iso(box.started_at),
+        "expires_at": _iso(box.expires_at),
+        "error": box.error,
+    }
+
+
+def _expiry(box: SandboxInfo) -> str:
+    """When it expires, and how far off that is while it runs."""
+    if box.expires_at is None:
+        return "-"
+    left = (box.expires_at - datetime.now(UTC)).total_seconds()
+    if box.state != "running" or left <= 0:
+        return _when(box.expires_at)
+    return f"{_when(box.expires_at)} (in {_span(left)})"
+
+
+def _span(seconds: float) -> str:
+    """`1h 02m`, `4m 05s`, `12s`."""
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    return f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
+
+
+def _number(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+@app.command("info")
+def info(
+    name: NameArg,
+    as_json: Annotated[bool, typer.Option("--json", help="print the API's fields as JSON")] = False,
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Show a sandbox: state, template, worker, resources, network, workspaces, expiry, metadata."""
+    with reported_errors(), connect(url, api_key) as client:
+        box = client.sandboxes.get(name)
+    if as_json:
+        typer.echo(json.dumps(_row(box), indent=2))
+        return
+    resources = " ".join(f"{k}={_number(v)}" for k, v in box.resources.items())
+    mounts = ", ".join(f"{m.name} at {m.path}" for m in box.workspaces)
+    meta = ", ".join(f"{k}={v}" for k, v in box.metadata.items() if k not in HIDDEN_METADATA)
+    lines = {
+        "name": box.name,
+        "state": box.state,
+        "template": box.template,
+        "worker": box.worker or "-",
+        "resources": resources or "-",
+        "network": _network_text(box.network_policy or box.network),
+        "workspaces": mounts or "-",
+        "timeout": f"{box.timeout:g} s from start",
+        "created": _when(box.created_at),
+        "started": _when(box.started_at),
+        "expires": _expiry(box),
+        "metadata": meta or "-",
+    }
+    if box.error:
+        lines["error"] = box.error
+    for label, value in lines.items():
+        typer.echo(f"{label + ':':<12}{value}")
+
+
+@app.command("extend")
+def extend(
+    name: NameArg,
+    timeout: Annotated[
+        float,
+        typer.Option("--timeout", "-t", help="seconds it lives from now", show_default=False),
+    ],
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Let a running sandbox live TIMEOUT seconds from now; print when it expires."""
+    with reported_errors(), connect(url, api_key) as client:
+        box = client.sandboxes.get(name).set_timeout(timeout)
+    typer.echo(f"{box.name} expires {_expiry(box)}")
 
 
 @app.command("ls")
@@ -307,8 +420,13 @@ def exec_(
     api_key: KeyOpt = None,
 ) -> None:
     """Run a command (or --code) in a sandbox; print its output, exit with its exit code."""
-    if (code is None) == (not command):
-        raise typer.BadParameter("give a command after -- or --code, not both")
+    if code is None and not command:
+        raise misuse(
+            f"no command to run in {name}: give it after the name "
+            f"(sandgate sandbox exec {name} -- ls -la) or as --code 'CODE' (--code - reads stdin)"
+        )
+    if code is not None and command:
+        raise misuse("give the command after -- or as --code, not both")
     if code == "-":
         code = sys.stdin.read()
     program = code if code is not None else _program(command or [])
@@ -399,3 +517,65 @@ def logs(
             )
     if follow and process.exit_code is not None:
         raise typer.Exit(exit_status(process.exit_code))
+
+
+@app.command("stdin")
+def stdin(
+    name: NameArg,
+    pid: Annotated[int, typer.Argument(help="process id", show_default=False)],
+    text: Annotated[
+        str | None,
+        typer.Argument(help="text to send, as given ('-': this command's stdin, to its end)"),
+    ] = None,
+    close: Annotated[
+        bool, typer.Option("--close", help="then close its stdin (the process sees its end)")
+    ] = False,
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Write TEXT (or, with -, this command's stdin) to a background process's stdin."""
+    if text is None and not close:
+        raise misuse(
+            f"nothing to send to process {pid}: give TEXT, - (this command's stdin) or --close"
+        )
+    with reported_errors(), connect(url, api_key) as client:
+        process = client.sandboxes.get(name).processes.get(pid)
+        if text == "-":
+            read = getattr(sys.stdin.buffer, "read1", sys.stdin.buffer.read)  # what is there
+            while piece := read(STDIN_PIECE_BYTES):
+                process.send_stdin(piece)
+        elif text:
+            process.send_stdin(text)
+        if close:
+            process.close_stdin()
+
+
+@app.command("kill")
+def kill(
+    name: NameArg,
+    pid: Annotated[int, typer.Argument(help="process id", show_default=False)],
+    signal: Annotated[
+        str, typer.Option("--signal", "-s", help="a name (TERM, SIGKILL) or a number")
+    ] = "SIGTERM",
+    url: UrlOpt = None,
+    api_key: KeyOpt = None,
+) -> None:
+    """Send a signal (default SIGTERM) to a background process's process group."""
+    sent = _signal(signal)
+    with reported_errors(), connect(url, api_key) as client:
+        client.sandboxes.get(name).processes.get(pid).kill(sent)
+
+
+def _signal(value: str) -> str:
+    """`--signal` as the SDK takes it: a number, or a name with or without `SIG`."""
+    import signal as signals
+
+    if value.isdigit():
+        try:
+            return signals.Signals(int(value)).name
+        except ValueError:
+            raise typer.BadParameter(f"{value} is no signal", param_hint="--signal") from None
+    named = value.upper() if value.upper().startswith("SIG") else "SIG" + value.upper()
+    if named not in signals.Signals.__members__:
+        raise typer.BadParameter(f"{value} is no signal", param_hint="--signal")
+    return named

@@ -18,14 +18,15 @@ never blocks the event loop.
 from __future__ import annotations
 
 import builtins
+import functools
 import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, ParamSpec
 
 import anyio
 import httpx
@@ -67,7 +68,7 @@ from sandgate.client._base import (
     network_body,
     ws_url,
 )
-from sandgate.client.errors import APIConnectionError, BuildFailedError
+from sandgate.client.errors import APIConnectionError, BuildFailedError, NotFoundError
 from sandgate.client.models import (
     CodeContext,
     Commit,
@@ -93,6 +94,7 @@ ASYNC = True  # `if ASYNC: <asyncio> else: <blocking>`: scripts/async_to_sync.py
 # tree), so the answer may take that long
 WORKSPACE_GIT_READ_TIMEOUT = 330.0
 LOG_PAGE_MAX = 500  # the most commits one page of a workspace's log holds
+P = ParamSpec("P")
 
 
 class AsyncSandgate:
@@ -474,6 +476,58 @@ class AsyncWorkspace(WorkspaceInfo):
         return CommitDiff.from_json(await self._api.json("GET", path, safety=Safety.IDEMPOTENT))
 
 
+if ASYNC:  # `async with sg.sandboxes.create() as box:`; the blocking create returns the box
+
+    class _SandboxCreation(Coroutine[Any, Any, "AsyncSandbox"]):
+        """What `AsyncSandboxes.create` returns: its coroutine (await it, or give it to a task
+        as any coroutine), and an async context manager whose sandbox is deleted when the
+        block ends."""
+
+        def __init__(self, coro: Coroutine[Any, Any, AsyncSandbox]) -> None:
+            self._coro = coro
+            self._box: AsyncSandbox | None = None
+
+        def send(self, value: Any) -> Any:
+            return self._coro.send(value)
+
+        def throw(self, *args: Any) -> Any:
+            return self._coro.throw(*args)
+
+        def close(self) -> None:
+            self._coro.close()
+
+        def __await__(self) -> Generator[Any, None, AsyncSandbox]:
+            return self._coro.__await__()
+
+        async def __aenter__(self) -> AsyncSandbox:
+            self._box = await self._coro
+            return self._box
+
+        async def __aexit__(
+            self,
+            exc_type: type[BaseException] | None,
+            exc: BaseException | None,
+            tb: TracebackType | None,
+        ) -> None:
+            if self._box is not None:
+                await self._box.__aexit__(exc_type, exc, tb)
+
+    def _deleted_after_block(
+        create: Callable[P, Coroutine[Any, Any, AsyncSandbox]],
+    ) -> Callable[P, _SandboxCreation]:
+        @functools.wraps(create)
+        def creation(*args: P.args, **kwargs: P.kwargs) -> _SandboxCreation:
+            return _SandboxCreation(create(*args, **kwargs))
+
+        return creation
+
+else:
+
+    def _deleted_after_block(create: Callable[P, AsyncSandbox]) -> Callable[P, AsyncSandbox]:
+        """The blocking `create` returns the `Sandbox`, itself a context manager."""
+        return create
+
+
 class AsyncSandboxes:
     def __init__(self, api: _AsyncApi) -> None:
         self._api = api
@@ -481,6 +535,7 @@ class AsyncSandboxes:
     def _wrap(self, body: dict[str, Any]) -> AsyncSandbox:
         return AsyncSandbox(_api=self._api, **SandboxInfo.fields_from_json(body))
 
+    @_deleted_after_block
     async def create(
         self,
         *,
@@ -500,7 +555,11 @@ class AsyncSandboxes:
         ``{"allow_out": ["pypi.org", "*.github.com"]}`` (docs/api.md, Network).
         `workspace`: a persistent workspace (its name or the object) mounted read-write at
         /workspace; `workspaces`: more, each where it goes, as ``[("proj", "/mnt/proj")]``,
-        ``[{"name": "proj", "path": "/mnt/proj"}]`` or ``{"/mnt/proj": "proj"}``."""
+        ``[{"name": "proj", "path": "/mnt/proj"}]`` or ``{"/mnt/proj": "proj"}``.
+
+        As a context manager (`with sg.sandboxes.create() as box:`, in the asyncio client
+        `async with sg.sandboxes.create() as box:`), the sandbox is deleted when the block
+        ends, also when it raises."""
         key = idempotency_key or str(uuid.uuid4())
         body = create_body(template, timeout, metadata, env, network, resources)
         body.update(mounts_body(workspace, workspaces))
@@ -623,7 +682,8 @@ class AsyncSandbox(SandboxInfo):
         return self
 
     async def set_timeout(self, seconds: float) -> AsyncSandbox:
-        """Let it live `seconds` more from now."""
+        """Let it live `seconds` more from now: `expires_at` moves there, and `timeout` (its
+        life from start, `expires_at - started_at`) with it, as the server answered."""
         body = {"timeout": seconds}
         answer = await self._api.json(
             "POST", f"{self._path}/timeout", safety=Safety.IDEMPOTENT, json=body
@@ -634,6 +694,30 @@ class AsyncSandbox(SandboxInfo):
     async def delete(self) -> None:
         await self._api.request("DELETE", self._path, safety=Safety.IDEMPOTENT, gone_ok=True)
         self.state = "deleted"
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Delete it, however the block ended; one already gone is no error."""
+        if ASYNC:
+            # a cancelled block still deletes its sandbox; the delete's own request timeouts
+            # and retry limit bound how long that takes
+            with anyio.CancelScope(shield=True):
+                await self._delete_if_there()
+        else:
+            self._delete_if_there()
+
+    async def _delete_if_there(self) -> None:
+        try:
+            await self.delete()
+        except NotFoundError:
+            self.state = "deleted"
 
     async def run(
         self,

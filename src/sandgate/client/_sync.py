@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, ParamSpec
 
 import httpx
 from websockets.exceptions import InvalidHandshake, InvalidStatus
@@ -52,7 +52,7 @@ from sandgate.client._sync_toolbox import (
     Terminal,
     _run_code,
 )
-from sandgate.client.errors import APIConnectionError, BuildFailedError
+from sandgate.client.errors import APIConnectionError, BuildFailedError, NotFoundError
 from sandgate.client.models import (
     CodeContext,
     Commit,
@@ -74,6 +74,7 @@ from sandgate.client.models import (
 
 WORKSPACE_GIT_READ_TIMEOUT = 330.0
 LOG_PAGE_MAX = 500
+P = ParamSpec("P")
 
 
 class Sandgate:
@@ -444,6 +445,11 @@ class Workspace(WorkspaceInfo):
         return CommitDiff.from_json(self._api.json("GET", path, safety=Safety.IDEMPOTENT))
 
 
+def _deleted_after_block(create: Callable[P, Sandbox]) -> Callable[P, Sandbox]:
+    """The blocking `create` returns the `Sandbox`, itself a context manager."""
+    return create
+
+
 class Sandboxes:
     def __init__(self, api: _Api) -> None:
         self._api = api
@@ -451,6 +457,7 @@ class Sandboxes:
     def _wrap(self, body: dict[str, Any]) -> Sandbox:
         return Sandbox(_api=self._api, **SandboxInfo.fields_from_json(body))
 
+    @_deleted_after_block
     def create(
         self,
         *,
@@ -470,7 +477,11 @@ class Sandboxes:
         ``{"allow_out": ["pypi.org", "*.github.com"]}`` (docs/api.md, Network).
         `workspace`: a persistent workspace (its name or the object) mounted read-write at
         /workspace; `workspaces`: more, each where it goes, as ``[("proj", "/mnt/proj")]``,
-        ``[{"name": "proj", "path": "/mnt/proj"}]`` or ``{"/mnt/proj": "proj"}``."""
+        ``[{"name": "proj", "path": "/mnt/proj"}]`` or ``{"/mnt/proj": "proj"}``.
+
+        As a context manager (`with sg.sandboxes.create() as box:`, in the asyncio client
+        `async with sg.sandboxes.create() as box:`), the sandbox is deleted when the block
+        ends, also when it raises."""
         key = idempotency_key or str(uuid.uuid4())
         body = create_body(template, timeout, metadata, env, network, resources)
         body.update(mounts_body(workspace, workspaces))
@@ -589,7 +600,8 @@ class Sandbox(SandboxInfo):
         return self
 
     def set_timeout(self, seconds: float) -> Sandbox:
-        """Let it live `seconds` more from now."""
+        """Let it live `seconds` more from now: `expires_at` moves there, and `timeout` (its
+        life from start, `expires_at - started_at`) with it, as the server answered."""
         body = {"timeout": seconds}
         answer = self._api.json(
             "POST", f"{self._path}/timeout", safety=Safety.IDEMPOTENT, json=body
@@ -600,6 +612,24 @@ class Sandbox(SandboxInfo):
     def delete(self) -> None:
         self._api.request("DELETE", self._path, safety=Safety.IDEMPOTENT, gone_ok=True)
         self.state = "deleted"
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Delete it, however the block ended; one already gone is no error."""
+        self._delete_if_there()
+
+    def _delete_if_there(self) -> None:
+        try:
+            self.delete()
+        except NotFoundError:
+            self.state = "deleted"
 
     def run(
         self,

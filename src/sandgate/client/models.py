@@ -12,6 +12,15 @@ def _time(value: Any) -> datetime | None:
     return None if value is None else datetime.fromisoformat(str(value))
 
 
+def _life(timeout: Any, started_at: datetime | None, expires_at: datetime | None) -> float:
+    """A sandbox's `timeout`: its life from start, `expires_at - started_at`, once it started
+    (an extend moves `expires_at`, while the answer's `timeout` stays what the create asked);
+    before that, the asked timeout."""
+    if started_at is not None and expires_at is not None:
+        return (expires_at - started_at).total_seconds()
+    return float(timeout or 0.0)
+
+
 @dataclass(kw_only=True)
 class SandboxInfo:
     """A sandbox as the server described it when this object was made (see `refresh()`)."""
@@ -27,7 +36,7 @@ class SandboxInfo:
     resources: dict[str, Any] = field(default_factory=dict)
     # the persistent workspaces it mounts read-write, and where
     workspaces: list[WorkspaceMount] = field(default_factory=list)
-    timeout: float = 0.0
+    timeout: float = 0.0  # its life in seconds from start (an extend lengthens it)
     created_at: datetime | None = None
     started_at: datetime | None = None
     expires_at: datetime | None = None
@@ -39,6 +48,7 @@ class SandboxInfo:
 
     @staticmethod
     def fields_from_json(body: dict[str, Any]) -> dict[str, Any]:
+        started_at, expires_at = _time(body.get("started_at")), _time(body.get("expires_at"))
         return {
             "name": str(body["name"]),
             "state": str(body["state"]),
@@ -49,10 +59,10 @@ class SandboxInfo:
             "network_policy": body.get("network_policy"),
             "resources": dict(body.get("resources") or {}),
             "workspaces": [WorkspaceMount.from_json(m) for m in body.get("workspaces") or []],
-            "timeout": float(body.get("timeout") or 0.0),
+            "timeout": _life(body.get("timeout"), started_at, expires_at),
             "created_at": _time(body.get("created_at")),
-            "started_at": _time(body.get("started_at")),
-            "expires_at": _time(body.get("expires_at")),
+            "started_at": started_at,
+            "expires_at": expires_at,
             "error": body.get("error"),
         }
 
