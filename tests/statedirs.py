@@ -9,7 +9,10 @@ remove their mount points, and every one keeps a loop device attached.
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 from sandgate.worker import disk
@@ -37,7 +40,31 @@ def remove_network_leftovers(path: Path) -> None:
 
 
 def unmount_test_leftovers() -> None:
-    """Unmount whatever the suite's workers left mounted below the test state roots."""
+    """Unmount what the suite's dead workers left mounted below the test state roots. A mount
+    below a worker that still runs (its state dir's lock is held: another test session on
+    this machine, or a CI run beside this one) is left alone: taking it away once pulled a
+    live worker's sandbox disks and workspaces from under it."""
     for pattern in TEST_ROOTS:
         for root in Path("/").glob(pattern.lstrip("/")):
-            disk.unmount_leftovers(root)
+            for point in disk.mounts_below(root):
+                if not _below_a_live_worker(point, root):  # deepest first: plain, else lazy
+                    done = subprocess.run(["umount", str(point)], capture_output=True)
+                    if done.returncode != 0:
+                        subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+def _below_a_live_worker(point: Path, root: Path) -> bool:
+    for parent in point.parents:
+        lock = parent / "worker.lock"
+        if lock.exists():
+            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            finally:
+                os.close(fd)
+            return False
+        if parent == root:
+            return False
+    return False
