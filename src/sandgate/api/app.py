@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from sandgate.api import errors
+from sandgate.api import errors, openapi
 from sandgate.api.deps import Services
 from sandgate.api.e2b.dispatch import E2BDispatch
 from sandgate.api.internal_auth import InternalAuth
@@ -150,10 +150,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app = FastAPI(
         title="sandgate",
         version="0.1.0",
-        description="Control plane for code-execution sandboxes.",
         lifespan=lifespan,
+        docs_url=None,  # openapi.install serves /docs from the package's own assets
+        redoc_url=None,
     )
     errors.install(app)
+    openapi.install(app)
     app.include_router(sandboxes.router)
     app.include_router(exec_jobs.router)
     app.include_router(admission.router)

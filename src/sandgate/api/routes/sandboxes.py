@@ -137,6 +137,9 @@ async def list_sandboxes(
     cursor: Annotated[str | None, Query(max_length=128)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> dict[str, Any]:
+    """The tenant's sandboxes, newest first, paged by `cursor`. Filter by metadata with any
+    number of `metadata.KEY=VALUE` query parameters (all must match), e.g.
+    `?metadata.agent=demo&metadata.run=7`."""
     states: tuple[Any, ...] = ()
     if state:
         states = tuple(s.strip() for s in state.split(",") if s.strip())

@@ -49,13 +49,20 @@ async def list_workers(who: Who, svc: Svc) -> dict[str, Any]:
     }
 
 
-@router.get("/healthz", include_in_schema=False)
+@router.get("/healthz", tags=["system"])
 async def healthz() -> dict[str, str]:
+    """The process is up (liveness): `{"status": "ok"}`."""
     return {"status": "ok"}
 
 
-@router.get("/readyz", include_in_schema=False)
+@router.get(
+    "/readyz",
+    tags=["system"],
+    responses={503: {"description": "degraded: `problems` says why (peers, loops, store)"}},
+)
 async def readyz(svc: Svc) -> JSONResponse:
+    """Ready to serve (readiness): the store takes a write, the loops run, peers answer;
+    `503` with `problems` otherwise."""
     problems = [f"peer: {problem}" for problem in svc.state.recent_peer_problems()]
     now = utcnow()
     # a loop that keeps failing (sandgate.core.loops): named until an iteration succeeds
@@ -87,9 +94,18 @@ async def _store_problem(svc: Services) -> str:
     return problem
 
 
-@router.get("/metrics", include_in_schema=False)
+@router.get(
+    "/metrics",
+    tags=["system"],
+    response_class=Response,
+    responses={
+        200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}},
+        401: {"description": "the metrics token is asked for and was not given"},
+    },
+)
 async def metrics(request: Request, svc: Svc) -> Response:
-    """Prometheus text format (api/metrics.py); behind `--metrics-token` when one is set."""
+    """Prometheus text format; behind `Authorization: Bearer <metrics token>` when the
+    instance has one (`--metrics-token-file`). The series: docs/api.md, Metrics."""
     token = svc.settings.metrics_token
     if token:
         presented = request.headers.get("authorization", "")
