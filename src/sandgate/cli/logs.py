@@ -5,8 +5,8 @@ structlog `ProcessorFormatter` renders each record with its structured fields an
 request's context holds (`log_context.py`: request id, tenant, sandbox, instance).
 `SANDGATE_LOG_FORMAT=json` (or `--log-format json`) writes one JSON object a line (`time`,
 `level`, `logger`, `message` and the fields), for whatever reads the log by machine: the e2e
-tests read the worker's account of what it started from it. `text` (the default) is
-structlog's console rendering, coloured on a terminal.
+tests read the worker's account of what it started from it. `text` (the default) is one
+plain line an event: time, level, logger, event, then its fields as `key=value`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,17 @@ def _renderer(fmt: str) -> list[Processor]:
             structlog.processors.EventRenamer("message"),
             structlog.processors.JSONRenderer(default=str),
         ]
-    return [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), sort_keys=True)]
+    return [structlog.processors.format_exc_info, _console_line]
+
+
+def _console_line(_logger: object, _name: str, event: EventDict) -> str:
+    """`TIME LEVEL LOGGER EVENT key=value...` (values as repr, keys sorted), then the
+    traceback if there is one: greppable, one event a line."""
+    head = [str(event.pop(k, "")) for k in ("timestamp", "level", "logger", "event")]
+    trace = event.pop("exception", None)
+    fields = " ".join(f"{k}={v!r}" for k, v in sorted(event.items()))
+    line = " ".join([*head, fields] if fields else head)
+    return f"{line}\n{trace}" if trace else line
 
 
 def setup(level: str = "INFO", fmt: str | None = None) -> None:
