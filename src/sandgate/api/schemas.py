@@ -18,6 +18,9 @@ class _In(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+MIN_PIDS = 16
+
+
 class Resources(_In):
     """What the sandbox asks for; left out, the deployment's default. Above the operator's
     cap (`sandgate server --max-memory-mb/--max-cpus/--max-pids/--max-disk-mb`): 422 naming
@@ -25,7 +28,9 @@ class Resources(_In):
 
     memory_mb: int | None = Field(default=None, ge=16, le=1 << 20)
     cpus: float | None = Field(default=None, ge=0.01, le=1024)  # a cgroup's least is 0.01
-    pids: int | None = Field(default=None, ge=8, le=1 << 22)
+    # a sandbox's own start (bwrap, the agent and its threads) takes more than 8: at 8 it
+    # could never run (found by schemathesis)
+    pids: int | None = Field(default=None, ge=MIN_PIDS, le=1 << 22)
     disk_mb: int | None = Field(default=None, ge=MIN_DISK_MB, le=1 << 24)
 
 

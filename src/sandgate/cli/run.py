@@ -165,7 +165,7 @@ def server(
         float, typer.Option(envvar="SANDGATE_MAX_CPUS", min=0.01, help="cap per sandbox")
     ] = 4.0,
     max_pids: Annotated[
-        int, typer.Option(envvar="SANDGATE_MAX_PIDS", min=8, help="cap per sandbox")
+        int, typer.Option(envvar="SANDGATE_MAX_PIDS", min=16, help="cap per sandbox")
     ] = 1024,
     max_disk_mb: Annotated[
         int,
@@ -204,7 +204,7 @@ def server(
         typer.Option(envvar="SANDGATE_DEFAULT_CPUS", min=0.01, help="a sandbox that asks none"),
     ] = 1.0,
     default_pids: Annotated[
-        int, typer.Option(envvar="SANDGATE_DEFAULT_PIDS", min=8, help="a sandbox that asks none")
+        int, typer.Option(envvar="SANDGATE_DEFAULT_PIDS", min=16, help="a sandbox that asks none")
     ] = 256,
     default_disk_mb: Annotated[
         int,
