@@ -5,6 +5,7 @@ Both run as subprocesses started through the CLI, exactly as a user starts them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -176,6 +177,24 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     if RUNTIME == "bwrap" and (os.geteuid() != 0 or shutil.which("bwrap") is None):
         pytest.skip("the bwrap runtime needs root and bubblewrap (apt-get install -y bubblewrap)")
     dep = start_deployment(tmp_path_factory.mktemp("deployment"))
+    try:
+        yield dep
+    finally:
+        tear_down(dep)
+
+
+@contextlib.contextmanager
+def own_deployment(
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    *,
+    worker: bool = True,
+    server_args: tuple[str, ...] = (),
+) -> Iterator[Deployment]:
+    """A deployment of a module's own (one it restarts, limits or fills), torn down after."""
+    if RUNTIME == "bwrap" and (os.geteuid() != 0 or shutil.which("bwrap") is None):
+        pytest.skip("the bwrap runtime needs root and bubblewrap (apt-get install -y bubblewrap)")
+    dep = start_deployment(tmp_path_factory.mktemp(name), worker=worker, server_args=server_args)
     try:
         yield dep
     finally:

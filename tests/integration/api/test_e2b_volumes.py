@@ -16,18 +16,15 @@ from e2b import (
 )
 
 from tests import e2b_scenarios as sdk
-from tests.integration.api.conftest import Deployment, start_deployment, tear_down
+from tests.integration.api.conftest import Deployment, own_deployment
 
 pytestmark = pytest.mark.bwrap
 
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    deployment = start_deployment(tmp_path_factory.mktemp("e2b-volumes"))
-    try:
+    with own_deployment(tmp_path_factory, "e2b-volumes") as deployment:
         yield deployment
-    finally:
-        tear_down(deployment)
 
 
 @pytest.fixture(scope="module")

@@ -12,18 +12,15 @@ import httpx
 import pytest
 
 from sandgate.cli import launch
-from tests.integration.api.conftest import Deployment, start_deployment, tear_down
+from tests.integration.api.conftest import Deployment, own_deployment
 
 pytestmark = pytest.mark.bwrap
 
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    deployment = start_deployment(tmp_path_factory.mktemp("workspaces"))
-    try:
+    with own_deployment(tmp_path_factory, "workspaces") as deployment:
         yield deployment
-    finally:
-        tear_down(deployment)
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,20 +23,18 @@ from sandgate.client import (
     Workspace,
     WorkspaceMount,
 )
-from tests.integration.api.conftest import RUNTIME, Deployment, start_deployment, tear_down
+from tests.integration.api.conftest import (
+    Deployment,
+    own_deployment,
+)
 
 pytestmark = pytest.mark.bwrap
 
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    if RUNTIME == "bwrap" and (os.geteuid() != 0 or shutil.which("bwrap") is None):
-        pytest.skip("the bwrap runtime needs root and bubblewrap (apt-get install -y bubblewrap)")
-    deployment = start_deployment(tmp_path_factory.mktemp("workspaces-client"))
-    try:
+    with own_deployment(tmp_path_factory, "workspaces-client") as deployment:
         yield deployment
-    finally:
-        tear_down(deployment)
 
 
 @pytest.fixture
