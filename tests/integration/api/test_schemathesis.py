@@ -32,7 +32,7 @@ def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
         tear_down(deployment)
 
 
-def test_no_generated_request_gets_a_server_error(dep: Deployment) -> None:
+def test_no_generated_request_gets_a_server_error(dep: Deployment, tmp_path: Path) -> None:
     st = Path(sys.executable).with_name("st")  # scripts/install --dev installs it
     assert st.exists(), "schemathesis is missing: run scripts/install --dev"
     done = subprocess.run(
@@ -59,5 +59,6 @@ def test_no_generated_request_gets_a_server_error(dep: Deployment) -> None:
         text=True,
         timeout=600,
         env={**os.environ, "NO_COLOR": "1"},
+        cwd=tmp_path,  # its .schemathesis/ goes there, not into the checkout
     )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
