@@ -23,19 +23,25 @@ from starlette.staticfiles import StaticFiles
 
 ASSETS: Final = "/docs/assets"
 PUBLIC: Final = ("/healthz", "/readyz", "/metrics")  # no API key (metrics: its own token)
-RAW_BODY: Final = {
-    "required": True,
-    "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
-}
-SECURITY_SCHEMES: Final = {
-    "bearer": {
-        "type": "http",
-        "scheme": "bearer",
-        "description": "A tenant API key (`sandgate keys create --tenant NAME`), or an admin "
-        "key for the fleet-wide views.",
-    },
-    "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
-}
+
+
+def _raw_body() -> dict[str, Any]:
+    binary = {"schema": {"type": "string", "format": "binary"}}
+    return {"required": True, "content": {"application/octet-stream": binary}}
+
+
+def _security_schemes() -> dict[str, Any]:
+    return {
+        "bearer": {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "A tenant API key (`sandgate keys create --tenant NAME`), or an "
+            "admin key for the fleet-wide views.",
+        },
+        "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
+    }
+
+
 DESCRIPTION: Final = """Control plane for code-execution sandboxes.
 
 Authenticate with `Authorization: Bearer <api key>` or `X-API-Key: <api key>`. Errors are
@@ -86,7 +92,7 @@ def install(app: FastAPI) -> None:
 
 def describe(doc: dict[str, Any]) -> dict[str, Any]:
     """Add the security schemes, the raw bodies, the system routes' openness."""
-    doc.setdefault("components", {})["securitySchemes"] = SECURITY_SCHEMES
+    doc.setdefault("components", {})["securitySchemes"] = _security_schemes()
     doc["security"] = [{"bearer": []}, {"apiKey": []}]
     for path, operations in doc.get("paths", {}).items():
         for method, operation in operations.items():
@@ -94,5 +100,5 @@ def describe(doc: dict[str, Any]) -> dict[str, Any]:
                 operation["security"] = []
             raw = (method == "put" and path.endswith("/toolbox/files")) or path.endswith("/stdin")
             if raw and "requestBody" not in operation:
-                operation["requestBody"] = RAW_BODY
+                operation["requestBody"] = _raw_body()
     return doc
