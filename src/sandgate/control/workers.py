@@ -245,12 +245,12 @@ class WorkerRegistry:
     ) -> tuple[Header, bytes]:
         """A tunnel request to `worker`: down our own tunnel, or through the instance that
         holds it. `forward=False` is the hop guard for requests that came from a peer."""
-        fields = _with_request_id(fields)
         session = self.local(worker)
-        if session is not None:
+        if session is not None:  # `call` adds the request's id
             return await self.call(session, op, fields, payload, wait=wait)
         if not forward or not worker:
             raise TunnelUnavailableError("sandbox tunnel not available", retry_after=2.0)
+        fields = _with_request_id(fields)  # for the peer, and the worker behind it
         node_url = self.state.cached_owner(worker)
         if node_url is None:
             node_url = await self.owner(worker)
