@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Iterator
 
 import pytest
 
 from tests.faultproxy import FaultProxy, OpenProxy, Rule
+from tests.nethosts import Internet, internet_hosts
 
 # Workers the tests start hold up to 160 small, mostly idle sandboxes: more than this host's
 # memory and disk budget gives them at the real defaults (512 MiB and 1 GiB each, overcommit
@@ -38,6 +40,20 @@ def pg_dsn(request: pytest.FixtureRequest) -> str:
     if not dsn:
         pytest.skip("no --pg-dsn given")
     return dsn
+
+
+@pytest.fixture(scope="module")
+def internet(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Internet]:
+    """The tests' own internet hosts (tests/nethosts.py), one per module. When a test of the
+    module failed, what the hosts answer now and their logs go to the real stderr (a module
+    fixture's teardown output is not shown otherwise)."""
+    failed = request.session.testsfailed
+    with internet_hosts(tmp_path_factory.mktemp("internet")) as net:
+        yield net
+        if request.session.testsfailed > failed:
+            print(net.report(), file=sys.__stderr__, flush=True)
 
 
 @pytest.fixture

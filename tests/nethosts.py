@@ -108,6 +108,29 @@ class Internet:
     ca_pem: Path  # the CA the HTTPS servers' certificates chain to
     addresses: dict[str, str]  # name -> IPv4 address, for the five names that resolve
     netns: str = ""  # the namespace's name, "sgtnet-<6 hex>" (gone after exit)
+    logs: Path | None = None  # the servers' logs, one file per role
+
+    def report(self) -> str:
+        """What to look at when a test through this internet failed: whether each server
+        answers the host right now, the servers' logs, the host's addresses and firewall
+        tables, the namespace's sockets. Call it inside the context (the servers still run)."""
+        out = [f"--- nethosts {self.netns} ({self.subnet}) ---"]
+        for name in ("allowed.test", "denied.test"):
+            answer = _http_probe(self.addresses[name], name)
+            out.append(f"GET http://{name}/ from the host: {answer}")
+        host, _, port = self.resolver.partition(":")
+        out.append(f"DNS allowed.test at {self.resolver}: {_dns_probe(host, int(port))}")
+        for command in (
+            ("ip", "-br", "addr"),
+            ("ip", "route", "get", self.addresses["allowed.test"]),
+            ("nft", "list", "tables"),
+            ("ip", "netns", "exec", self.netns, "ss", "-tanup"),
+        ):
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=10)
+            out.append(f"$ {' '.join(command)}\n{proc.stdout}{proc.stderr}")
+        for log in sorted(self.logs.glob("*.log")) if self.logs else []:
+            out.append(f"--- {log.name} (tail) ---\n{log.read_text(errors='replace')[-2000:]}")
+        return "\n".join(out)
 
     def url(self, name: str, scheme: str = "https", path: str = "/") -> str:
         """`scheme://name/path` on the default port: the URL a sandbox would ask the gate for."""
@@ -166,6 +189,7 @@ def internet_hosts(tmp: Path) -> Iterator[Internet]:
             ca_pem=ca_pem,
             addresses=addr,
             netns=netns,
+            logs=logs,
         )
 
 
@@ -344,6 +368,28 @@ class _Servers:
             proc.wait(10)
             if proc.stdin is not None:
                 proc.stdin.close()
+
+
+def _http_probe(address: str, name: str) -> str:
+    """The first line of what `address` answers a GET for `name` on port 80, or the error."""
+    try:
+        with socket.create_connection((address, 80), timeout=3) as s:
+            s.sendall(f"GET / HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n".encode())
+            return s.recv(200).split(b"\r\n", 1)[0].decode(errors="replace") or "closed"
+    except OSError as exc:
+        return repr(exc)
+
+
+def _dns_probe(server: str, port: int) -> str:
+    import dns.exception
+    import dns.message
+    import dns.query
+
+    try:
+        reply = dns.query.udp(dns.message.make_query("allowed.test", "A"), server, 3, port)
+    except (OSError, dns.exception.DNSException) as exc:
+        return repr(exc)
+    return " ".join(str(rrset) for rrset in reply.answer) or "no answer"
 
 
 def _dns_answers(server: str) -> bool:

@@ -17,15 +17,9 @@ import pytest
 
 from sandgate.cli import launch as launcher
 from tests.e2e.conftest import WORKER, Cluster, running_cluster
-from tests.nethosts import Internet, internet_hosts
+from tests.nethosts import Internet
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.bwrap]
-
-
-@pytest.fixture(scope="module")
-def internet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
-    with internet_hosts(tmp_path_factory.mktemp("internet")) as net:
-        yield net
 
 
 @pytest.fixture(scope="module")

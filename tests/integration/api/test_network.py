@@ -20,7 +20,7 @@ from e2b import Sandbox
 
 from tests import e2b_scenarios as sdk
 from tests.integration.api.conftest import Deployment, start_deployment, tear_down
-from tests.nethosts import Internet, internet_hosts
+from tests.nethosts import Internet
 
 pytestmark = pytest.mark.bwrap
 
@@ -51,12 +51,6 @@ for arg in sys.argv[1:]:
         out["dns:" + name] = "NXDOMAIN"
 print(json.dumps(out))
 """
-
-
-@pytest.fixture(scope="module")
-def internet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
-    with internet_hosts(tmp_path_factory.mktemp("internet")) as net:
-        yield net
 
 
 @pytest.fixture(scope="module")

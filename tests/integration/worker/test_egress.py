@@ -29,7 +29,7 @@ from sandgate.worker.runtime.base import RunningSandbox, SandboxSpec
 from sandgate.worker.runtime.bwrap import BwrapRuntime
 from tests.integration.worker.conftest import Env, other_runtime
 from tests.integration.worker.test_runtime_bwrap import uniq
-from tests.nethosts import Internet, internet_hosts
+from tests.nethosts import Internet
 
 pytestmark = [
     pytest.mark.bwrap,
@@ -261,12 +261,6 @@ def loop() -> Iterator[Loop]:
     running = Loop()
     yield running
     running.close()
-
-
-@pytest.fixture(scope="module")
-def internet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
-    with internet_hosts(tmp_path_factory.mktemp("internet")) as net:
-        yield net
 
 
 @pytest.fixture(scope="module")

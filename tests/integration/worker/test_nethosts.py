@@ -35,6 +35,13 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
         yield n
 
 
+def test_the_report_of_a_failed_run_says_what_answers(net: Internet) -> None:
+    report = net.report()
+    assert "GET http://allowed.test/ from the host: HTTP/1.1 200" in report, report
+    assert f"IN A {net.addresses['allowed.test']}" in report, report
+    assert f"$ ip netns exec {net.netns} ss -tanup" in report and "dns.log" in report
+
+
 def netns_list() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
