@@ -11,6 +11,9 @@ route to the host's end. On the host, this worker's nftables table
 * every other TCP connection (any address, any port) goes to the gate's proxy port;
 * whatever else arrives (UDP, ICMP, IPv6, a packet with another source address) is dropped,
   and nothing from or to these interfaces is ever forwarded;
+* a new connection to the gate's ports from any other interface but ``lo`` is dropped; only
+  new ones: a reply to the host's own connection from such a port number passes (a table left
+  by a killed worker once dropped the replies of whatever on the host drew that port);
 * each sandbox may open `NEW_FLOWS_PER_S` new flows a second and hold `TRACKED_FLOWS` in the
   host's connection tracking, and send `DNS_PACKETS_PER_S` DNS packets a second: more are
   dropped before they are tracked, so one sandbox cannot fill the host's conntrack table.
@@ -122,8 +125,8 @@ table inet {table} {{
     {ours} tcp dport {{ {gate_port}, {dns_port} }} accept
     {ours} udp dport {dns_port} accept
     {ours} counter drop
-    iifname != "lo" tcp dport {{ {gate_port}, {dns_port} }} drop
-    iifname != "lo" udp dport {dns_port} drop
+    iifname != "lo" ct state new tcp dport {{ {gate_port}, {dns_port} }} drop
+    iifname != "lo" ct state new udp dport {dns_port} drop
   }}
   chain through {{
     type filter hook forward priority filter; policy accept;
