@@ -1,0 +1,90 @@
+import { useState } from "preact/hooks";
+import { get, post, sandboxPath, type ExecJob } from "../api";
+import { Problem, useAction, usePoll, when } from "../ui";
+
+// Exec jobs: commands that run to the end on their own, their output kept after they finish.
+export function Jobs(props: { name: string }) {
+  const list = usePoll(
+    () => get<{ exec_jobs: ExecJob[] }>(`${sandboxPath(props.name)}/exec-jobs?limit=50`),
+    2000,
+    [props.name],
+  );
+  const [command, setCommand] = useState("");
+  const [open, setOpen] = useState<string | null>(null);
+  const action = useAction();
+  return (
+    <div>
+      <form
+        class="inline"
+        onSubmit={(e) => {
+          e.preventDefault();
+          action.run(async () => {
+            const job = await post<ExecJob>(`${sandboxPath(props.name)}/exec-jobs`, { command });
+            setCommand("");
+            setOpen(job.id);
+            list.reload();
+          });
+        }}
+      >
+        <input
+          class="wide"
+          placeholder="a command to run as a job, e.g. make test"
+          value={command}
+          onInput={(e) => setCommand((e.target as HTMLInputElement).value)}
+          required
+        />
+        <button type="submit" disabled={action.busy}>
+          Submit job
+        </button>
+      </form>
+      <Problem error={action.error ?? list.error} />
+      <table>
+        <thead>
+          <tr>
+            <th>Job</th>
+            <th>Command</th>
+            <th>State</th>
+            <th>Created</th>
+            <th>Finished</th>
+          </tr>
+        </thead>
+        <tbody>
+          {list.data?.exec_jobs.map((j) => (
+            <tr key={j.id}>
+              <td>
+                <a href="#" onClick={(e) => { e.preventDefault(); setOpen(j.id); }}>{j.id}</a>
+              </td>
+              <td>
+                <code>{j.command}</code>
+              </td>
+              <td class={`state ${j.state}`}>
+                {j.state}
+                {j.exit_code !== null ? ` (${j.exit_code})` : ""}
+              </td>
+              <td>{when(j.created_at)}</td>
+              <td>{when(j.finished_at)}</td>
+            </tr>
+          ))}
+        </tbody>
+      </table>
+      {open && <JobOutput id={open} key={open} />}
+    </div>
+  );
+}
+
+function JobOutput(props: { id: string }) {
+  const job = usePoll(() => get<ExecJob>(`/api/v1/exec-jobs/${props.id}`), 2000, [props.id]);
+  const j = job.data;
+  return (
+    <div class="logs">
+      <h3>
+        Job {props.id} {j && <span class="hint">— {j.state}{j.error ? `: ${j.error}` : ""}</span>}
+      </h3>
+      <Problem error={job.error} />
+      <pre>
+        <span class="stdout">{j?.stdout}</span>
+        <span class="stderr">{j?.stderr}</span>
+      </pre>
+    </div>
+  );
+}
