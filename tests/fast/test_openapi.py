@@ -4,10 +4,12 @@ security schemes, raw bodies, the system routes, and `/docs` working without the
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 from openapi_spec_validator import validate
 
+from sandgate.api.openapi import PUBLIC
 from tests.fast.conftest import Fast
 
 pytestmark = pytest.mark.anyio
@@ -45,3 +47,60 @@ async def test_docs_are_served_from_the_package(fast: Fast) -> None:
     for asset in assets:
         served = await fast.api.get(asset)
         assert served.status_code == 200 and len(served.content) > 100, asset
+
+
+# every error status the document once listed for every route alike
+ALL_ERRORS = {400, 401, 403, 404, 409, 413, 422, 502, 503, 504, 507}
+
+
+def _errors(operation: dict[str, Any]) -> set[int]:
+    return {int(s) for s in operation.get("responses", {}) if s.isdigit() and int(s) >= 400}
+
+
+async def test_each_route_lists_only_the_errors_it_can_answer(fast: Fast) -> None:
+    paths = (await fast.api.get("/openapi.json")).json()["paths"]
+    assert _errors(paths["/healthz"]["get"]) == set()
+    create = paths["/api/v1/sandboxes"]["post"]
+    assert {401, 422, 429, 503} <= _errors(create) and 500 not in _errors(create)
+    assert _errors(paths["/api/v1/sandboxes/{name}"]["get"]) == {401, 403, 404, 429, 503}
+    download = paths["/api/v1/sandboxes/{name}/toolbox/files"]["get"]
+    assert 404 in _errors(download) and 507 not in _errors(download)
+    assert 507 in _errors(paths["/api/v1/sandboxes/{name}/toolbox/files"]["put"])
+    assert 403 not in _errors(paths["/api/v1/templates"]["get"])  # an admin key reads them
+    everything: set[str] = set()
+    for path, operations in paths.items():
+        for method, operation in operations.items():
+            errors = _errors(operation)
+            assert 500 not in errors, (method, path)
+            if ALL_ERRORS <= errors:
+                everything.add(f"{method} {path}")
+            if path not in PUBLIC:
+                assert 401 in errors, (method, path)  # every route behind a key
+            if operation.get("requestBody", {}).get("content", {}).get("application/json"):
+                assert {413, 422} <= errors, (method, path)
+    # only the writes into a sandbox's or a workspace's files can answer them all (a body, the
+    # agent, its worker, a full disk)
+    assert everything == {
+        "put /api/v1/sandboxes/{name}/toolbox/files",
+        "post /api/v1/sandboxes/{name}/toolbox/files/mkdir",
+        "post /api/v1/sandboxes/{name}/toolbox/files/move",
+        "post /api/v1/workspaces/{name}/commits",
+        "post /api/v1/workspaces/{name}/restore",
+    }
+
+
+async def test_errors_are_described_with_examples(fast: Fast) -> None:
+    doc = (await fast.api.get("/openapi.json")).json()
+    create = doc["paths"]["/api/v1/sandboxes"]["post"]
+    for status, response in create["responses"].items():
+        if int(status) < 400:
+            continue
+        assert response["description"] != "Additional Response", status
+        body = response["content"]["application/json"]
+        assert body["schema"] == {"$ref": "#/components/schemas/ErrorOut"}
+        assert set(body["example"]["error"]) == {"code", "message"}, status
+    assert create["responses"]["429"]["headers"]["Retry-After"]["required"] is True
+    assert "Idempotent-Replayed" in create["responses"]["200"]["headers"]  # a replay is a 200
+    schemas = doc["components"]["schemas"]
+    assert schemas["ErrorOut"]["examples"][0]["error"]["code"]
+    assert schemas["CreateSandbox"]["examples"] and schemas["Execute"]["examples"]

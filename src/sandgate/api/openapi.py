@@ -8,10 +8,15 @@ FastAPI builds the document from the routes; this adds what it does not know:
 - the raw request bodies of file uploads and stdin (they are read as streams, not models);
 - the WebSocket endpoints (the PTY, the tunnel), described where OpenAPI has room: the
   description of the API and of their tags.
+
+And it takes out what FastAPI adds that is not so: a 422 of its own `{"detail": [...]}` on
+every route with a parameter. Errors are `ErrorOut`, and each route lists its own statuses
+(`api/responses.py`), 422 where it validates something.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Final
 
 import swagger_ui_bundle  # type: ignore[import-untyped]
@@ -101,4 +106,19 @@ def describe(doc: dict[str, Any]) -> dict[str, Any]:
             raw = (method == "put" and path.endswith("/toolbox/files")) or path.endswith("/stdin")
             if raw and "requestBody" not in operation:
                 operation["requestBody"] = _raw_body()
+            _drop_framework_422(operation)
+    schemas = doc["components"].get("schemas", {})
+    if _FRAMEWORK_422 not in json.dumps(doc.get("paths", {})):
+        schemas.pop("HTTPValidationError", None)
+        schemas.pop("ValidationError", None)
     return doc
+
+
+_FRAMEWORK_422: Final = "#/components/schemas/HTTPValidationError"
+
+
+def _drop_framework_422(operation: dict[str, Any]) -> None:
+    """FastAPI's 422 (`{"detail": [...]}`): never our answer (`api/errors.py` gives ErrorOut)."""
+    responses = operation.get("responses", {})
+    if _FRAMEWORK_422 in json.dumps(responses.get("422", {})):
+        del responses["422"]

@@ -90,6 +90,21 @@ class WorkspaceMountIn(_In):
 
 
 class CreateSandbox(_In):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "template": "default",
+                    "timeout": 600,
+                    "metadata": {"agent": "demo"},
+                    "env": {"GREETING": "hello"},
+                    "network": {"allow_out": ["pypi.org", "*.pythonhosted.org"]},
+                    "resources": {"memory_mb": 512, "cpus": 1, "disk_mb": 1024},
+                }
+            ]
+        }
+    )
+
     template: str = Field(default="default", min_length=1, max_length=128)
     timeout: float | None = Field(default=None, gt=0, description="seconds until it is reaped")
     metadata: dict[str, str] = Field(default_factory=dict)
@@ -211,11 +226,36 @@ class _RunOptions(_In):
 
 
 class Execute(_RunOptions):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"language": "python", "code": "print(6 * 7)", "timeout": 30},
+                {"code": "ls -la", "cwd": "/workspace", "env": {"LC_ALL": "C"}},
+            ]
+        }
+    )
+
     language: Literal["bash", "sh", "python"] = "bash"
     code: str = Field(min_length=1)
 
 
 class ExecuteOut(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "stdout": "42\n",
+                    "stderr": "",
+                    "exit_code": 0,
+                    "duration_ms": 38.5,
+                    "timed_out": False,
+                    "stdout_truncated": False,
+                    "stderr_truncated": False,
+                }
+            ]
+        }
+    )
+
     stdout: str
     stderr: str
     exit_code: int
@@ -390,4 +430,20 @@ class ErrorBody(BaseModel):
 
 
 class ErrorOut(BaseModel):
+    """Every error of the native API (`api/errors.py`); 429 and 422 `resource_cap_exceeded`
+    add `limit` (and `max`) to `error`."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "error": {
+                        "code": "not_running",
+                        "message": "sandbox sbx-3k9q2m7x4w1z is stopped, not running",
+                    }
+                }
+            ]
+        }
+    )
+
     error: ErrorBody

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends
 
 from sandgate.api.deps import Services, Viewer, services, viewer
-from sandgate.api.routes.sandboxes import error_docs
+from sandgate.api.responses import VIEWER, error_docs
 
 router = APIRouter(prefix="/api/v1", tags=["admission"])
 
@@ -15,7 +15,7 @@ Who = Annotated[Viewer, Depends(viewer)]
 Svc = Annotated[Services, Depends(services)]
 
 
-@router.get("/admission", responses=error_docs())
+@router.get("/admission", responses=error_docs(VIEWER))
 async def admission_status(who: Who, svc: Svc) -> dict[str, Any]:
     """A tenant key: its own queued creates, its own recent scheduling timeouts and its limits,
     with the deployment's breaker (it answers every tenant's creates). An admin key: the

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Response
 from fastapi.responses import StreamingResponse
 
 from sandgate.api.deps import Services, services, tenant
-from sandgate.api.routes.sandboxes import error_docs
+from sandgate.api.responses import AGENT, JSON_BODY, TENANT, error_docs
 from sandgate.api.schemas import CodeContextOut, CreateCodeContext, RunCode
 from sandgate.control.contexts import DEFAULT_CONTEXTS, Context
 from sandgate.errors import InvalidRequestError
@@ -29,31 +29,38 @@ Svc = Annotated[Services, Depends(services)]
 
 
 def sse_docs() -> dict[int | str, dict[str, Any]]:
-    return {**error_docs(), 200: {"content": {"text/event-stream": {}}}}
+    return {**error_docs(TENANT, JSON_BODY, AGENT), 200: {"content": {"text/event-stream": {}}}}
 
 
 def _out(context: Context) -> dict[str, Any]:
     return {"id": context.id, "language": context.language, "cwd": context.cwd}
 
 
-@router.post("/contexts", status_code=201, response_model=CodeContextOut, responses=error_docs())
+@router.post(
+    "/contexts",
+    status_code=201,
+    response_model=CodeContextOut,
+    responses=error_docs(TENANT, JSON_BODY, AGENT),
+)
 async def create(name: str, body: CreateCodeContext, who: Tenant, svc: Svc) -> Any:
     return _out(await svc.contexts.create(who, name, language=body.language, cwd=body.cwd))
 
 
-@router.get("/contexts", response_model=list[CodeContextOut], responses=error_docs())
+@router.get("/contexts", response_model=list[CodeContextOut], responses=error_docs(TENANT, AGENT))
 async def list_contexts(name: str, who: Tenant, svc: Svc) -> Any:
     return [_out(context) for context in await svc.contexts.list(who, name)]
 
 
-@router.delete("/contexts/{context_id}", status_code=204, responses=error_docs())
+@router.delete("/contexts/{context_id}", status_code=204, responses=error_docs(TENANT, AGENT))
 async def delete(name: str, context_id: str, who: Tenant, svc: Svc) -> Response:
     await svc.contexts.delete(who, name, context_id)
     return Response(status_code=204)
 
 
 @router.post(
-    "/contexts/{context_id}/restart", response_model=CodeContextOut, responses=error_docs()
+    "/contexts/{context_id}/restart",
+    response_model=CodeContextOut,
+    responses=error_docs(TENANT, AGENT),
 )
 async def restart(name: str, context_id: str, who: Tenant, svc: Svc) -> Any:
     return _out(await svc.contexts.restart(who, name, context_id))

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Header, Query
 from fastapi.responses import JSONResponse
 
 from sandgate.api.deps import Services, services, tenant
-from sandgate.api.routes.sandboxes import error_docs
+from sandgate.api.responses import JSON_BODY, PARAMS, SANDBOX, TENANT, error_docs, replayed
 from sandgate.api.schemas import CreateExecJob, ExecJobList, ExecJobOut, ExecJobSummary
 from sandgate.control.exec_jobs import ExecJobRequest
 from sandgate.errors import InvalidRequestError
@@ -54,7 +54,7 @@ def _summary_fields(job: ExecJob) -> dict[str, Any]:
     "/sandboxes/{name}/exec-jobs",
     status_code=202,
     response_model=ExecJobOut,
-    responses=error_docs(),
+    responses={202: {"headers": replayed()}, **error_docs(TENANT, JSON_BODY, SANDBOX)},
 )
 async def create_exec_job(
     name: str,
@@ -72,12 +72,16 @@ async def create_exec_job(
     return JSONResponse(exec_job_out(result.job), status_code=202, headers=headers)
 
 
-@router.get("/exec-jobs/{job_id}", response_model=ExecJobOut, responses=error_docs())
+@router.get("/exec-jobs/{job_id}", response_model=ExecJobOut, responses=error_docs(TENANT, 404))
 async def get_exec_job(job_id: str, who: Tenant, svc: Svc) -> dict[str, Any]:
     return exec_job_out(await svc.exec_jobs.get(who, job_id))
 
 
-@router.get("/sandboxes/{name}/exec-jobs", response_model=ExecJobList, responses=error_docs())
+@router.get(
+    "/sandboxes/{name}/exec-jobs",
+    response_model=ExecJobList,
+    responses=error_docs(TENANT, PARAMS, 400, 404),  # 400: a cursor not of ours
+)
 async def list_exec_jobs(
     name: str,
     who: Tenant,

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 
 from sandgate.api.deps import Services, services, tenant
-from sandgate.api.routes.sandboxes import error_docs
+from sandgate.api.responses import AGENT, DISK, JSON_BODY, PARAMS, RAW_BODY, TENANT, error_docs
 from sandgate.api.schemas import FileEntry, FileList, MakeDir, Move
 from sandgate.store.base import TenantId
 
@@ -24,7 +24,9 @@ Svc = Annotated[Services, Depends(services)]
 PathQuery = Annotated[str, Query(min_length=1, max_length=4096)]
 
 
-@router.put("", response_model=FileEntry, responses=error_docs())
+@router.put(
+    "", response_model=FileEntry, responses=error_docs(TENANT, PARAMS, RAW_BODY, AGENT, DISK)
+)
 async def upload(name: str, path: PathQuery, request: Request, who: Tenant, svc: Svc) -> Any:
     declared = request.headers.get("content-length", "")
     entry = await svc.toolbox.upload(
@@ -39,7 +41,13 @@ async def upload(name: str, path: PathQuery, request: Request, who: Tenant, svc:
     return entry.model_dump()
 
 
-@router.get("", responses={**error_docs(), 200: {"content": {"application/octet-stream": {}}}})
+@router.get(
+    "",
+    responses={
+        **error_docs(TENANT, PARAMS, AGENT),
+        200: {"content": {"application/octet-stream": {}}},
+    },
+)
 async def download(name: str, path: PathQuery, who: Tenant, svc: Svc) -> StreamingResponse:
     opened = await svc.toolbox.download(who, name, path, chunk_bytes=svc.settings.file_chunk_bytes)
     filename = path.rstrip("/").rsplit("/", 1)[-1] or "download"
@@ -57,7 +65,7 @@ async def download(name: str, path: PathQuery, who: Tenant, svc: Svc) -> Streami
     )
 
 
-@router.delete("", status_code=204, responses=error_docs())
+@router.delete("", status_code=204, responses=error_docs(TENANT, PARAMS, AGENT))
 async def remove(
     name: str,
     path: PathQuery,
@@ -68,22 +76,29 @@ async def remove(
     await svc.toolbox.remove(who, name, path, recursive=recursive)
 
 
-@router.get("/list", response_model=FileList, responses=error_docs())
+@router.get("/list", response_model=FileList, responses=error_docs(TENANT, PARAMS, AGENT))
 async def list_dir(name: str, who: Tenant, svc: Svc, path: PathQuery = "/workspace") -> Any:
     return {"entries": [e.model_dump() for e in await svc.toolbox.list_dir(who, name, path)]}
 
 
-@router.get("/stat", response_model=FileEntry, responses=error_docs())
+@router.get("/stat", response_model=FileEntry, responses=error_docs(TENANT, PARAMS, AGENT))
 async def stat(name: str, path: PathQuery, who: Tenant, svc: Svc) -> Any:
     return (await svc.toolbox.stat(who, name, path)).model_dump()
 
 
-@router.post("/mkdir", response_model=FileEntry, status_code=201, responses=error_docs())
+@router.post(
+    "/mkdir",
+    response_model=FileEntry,
+    status_code=201,
+    responses=error_docs(TENANT, JSON_BODY, AGENT, DISK),
+)
 async def mkdir(name: str, body: MakeDir, who: Tenant, svc: Svc) -> Any:
     return (await svc.toolbox.mkdir(who, name, body.path, parents=body.parents)).model_dump()
 
 
-@router.post("/move", response_model=FileEntry, responses=error_docs())
+@router.post(
+    "/move", response_model=FileEntry, responses=error_docs(TENANT, JSON_BODY, AGENT, DISK)
+)
 async def move(name: str, body: Move, who: Tenant, svc: Svc) -> Any:
     moved = await svc.toolbox.move(
         who, name, body.source, body.destination, overwrite=body.overwrite

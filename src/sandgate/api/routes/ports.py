@@ -28,7 +28,7 @@ from sandgate.api.ports import HOST_FORM, http_relay, ws_relay
 from sandgate.api.ports.credentials import TRAFFIC_HEADER, Caller, caller
 from sandgate.api.ports.headers import PREVIEW_COOKIE, PREVIEW_PARAM
 from sandgate.api.ports.target import target_of
-from sandgate.api.routes.sandboxes import error_docs
+from sandgate.api.responses import JSON_BODY, SANDBOX, TENANT, error_docs
 from sandgate.api.schemas import PreviewIn, PreviewOut
 from sandgate.core.ports import issue_preview, parse_port, port_prefix
 from sandgate.errors import PayloadTooLargeError, SandgateError, WorkerError
@@ -48,7 +48,7 @@ MAX_PREVIEW_BODY = 64 << 10
     "/preview",
     status_code=201,
     response_model=PreviewOut,
-    responses=error_docs(),
+    responses=error_docs(TENANT, JSON_BODY, SANDBOX),  # 400 also: not a port number
     openapi_extra={
         "requestBody": {
             "required": False,

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from sandgate.api.deps import Services, services, tenant
-from sandgate.api.routes.sandboxes import error_docs
+from sandgate.api.responses import AGENT, JSON_BODY, PARAMS, RAW_BODY, TENANT, error_docs
 from sandgate.api.schemas import ProcessList, ProcessOut, Signal, StartProcess, Written
 from sandgate.errors import InvalidRequestError, PayloadTooLargeError
 from sandgate.store.base import TenantId
@@ -30,7 +30,9 @@ FOLLOW_WAIT = 15.0  # seconds one long-poll read may wait for output
 MAX_STDIN_BYTES = 8 << 20
 
 
-@router.post("", status_code=201, response_model=ProcessOut, responses=error_docs())
+@router.post(
+    "", status_code=201, response_model=ProcessOut, responses=error_docs(TENANT, JSON_BODY, AGENT)
+)
 async def start(name: str, body: StartProcess, who: Tenant, svc: Svc) -> Any:
     pid = await svc.toolbox.start_process(
         who, name, body.command, cwd=body.cwd, env=body.env, time_limit=body.timeout
@@ -38,19 +40,22 @@ async def start(name: str, body: StartProcess, who: Tenant, svc: Svc) -> Any:
     return (await svc.toolbox.process(who, name, pid)).model_dump()
 
 
-@router.get("", response_model=ProcessList, responses=error_docs())
+@router.get("", response_model=ProcessList, responses=error_docs(TENANT, AGENT))
 async def list_processes(name: str, who: Tenant, svc: Svc) -> Any:
     return {"processes": [p.model_dump() for p in await svc.toolbox.processes(who, name)]}
 
 
-@router.get("/{pid}", response_model=ProcessOut, responses=error_docs())
+@router.get("/{pid}", response_model=ProcessOut, responses=error_docs(TENANT, PARAMS, AGENT))
 async def get_process(name: str, pid: int, who: Tenant, svc: Svc) -> Any:
     return (await svc.toolbox.process(who, name, pid)).model_dump()
 
 
 @router.get(
     "/{pid}/stream",
-    responses={**error_docs(), 200: {"content": {"text/event-stream": {}}}},
+    responses={
+        **error_docs(TENANT, PARAMS, AGENT),  # 400: a Last-Event-ID that is no offset
+        200: {"content": {"text/event-stream": {}}},
+    },
 )
 async def stream(
     name: str,
@@ -109,7 +114,9 @@ def _event(kind: str, body: dict[str, Any], offset: int) -> bytes:
     return f"id: {offset}\nevent: {kind}\ndata: {json.dumps(body)}\n\n".encode()
 
 
-@router.post("/{pid}/stdin", response_model=Written, responses=error_docs())
+@router.post(
+    "/{pid}/stdin", response_model=Written, responses=error_docs(TENANT, PARAMS, RAW_BODY, AGENT)
+)
 async def stdin(
     name: str, pid: int, request: Request, who: Tenant, svc: Svc, close: bool = False
 ) -> Any:
@@ -121,7 +128,7 @@ async def stdin(
     return {"written": await svc.toolbox.write_stdin(who, name, pid, bytes(data), close=close)}
 
 
-@router.post("/{pid}/signal", responses=error_docs())
+@router.post("/{pid}/signal", responses=error_docs(TENANT, JSON_BODY, AGENT))
 async def send_signal(name: str, pid: int, body: Signal, who: Tenant, svc: Svc) -> Any:
     await svc.toolbox.signal_process(who, name, pid, body.signal)
     return {"pid": pid, "signal": body.signal}

@@ -16,7 +16,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from sandgate.api.deps import Services, presented_key, resolve_key, services, tenant, tenant_of
 from sandgate.api.errors import status_of
-from sandgate.api.routes.sandboxes import error_docs
+from sandgate.api.responses import JSON_BODY, SANDBOX, TENANT, error_docs
 from sandgate.api.schemas import PtyToken, PtyTokenOut
 from sandgate.core.tokens import TokenError, sign, verify
 from sandgate.errors import AuthError, SandgateError
@@ -33,7 +33,12 @@ PTY_PURPOSE = "pty"
 READ_WAIT = 15.0
 
 
-@router.post("/pty-token", status_code=201, response_model=PtyTokenOut, responses=error_docs())
+@router.post(
+    "/pty-token",
+    status_code=201,
+    response_model=PtyTokenOut,
+    responses=error_docs(TENANT, JSON_BODY, SANDBOX),
+)
 async def pty_token(name: str, who: Tenant, svc: Svc, body: PtyToken | None = None) -> Any:
     await svc.sandboxes.running(who, name)
     ttl = body.ttl if body is not None else 60.0

@@ -9,9 +9,18 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from sandgate.api.deps import Services, services, tenant
+from sandgate.api.responses import (
+    AGENT,
+    JSON_BODY,
+    PARAMS,
+    SANDBOX,
+    TENANT,
+    WORKER,
+    error_docs,
+    replayed,
+)
 from sandgate.api.schemas import (
     CreateSandbox,
-    ErrorOut,
     Execute,
     ExecuteOut,
     ExtendTimeout,
@@ -35,14 +44,6 @@ router = APIRouter(prefix="/api/v1", tags=["sandboxes"])
 
 Tenant = Annotated[TenantId, Depends(tenant)]
 Svc = Annotated[Services, Depends(services)]
-
-ERROR_STATUSES = (400, 401, 403, 404, 409, 413, 422, 502, 503, 504, 507)
-
-
-def error_docs() -> dict[int | str, dict[str, Any]]:
-    """OpenAPI `responses` for the error statuses every route may answer."""
-    return {status: {"model": ErrorOut} for status in ERROR_STATUSES}
-
 
 STATES = ("pending", "running", "stopped", "error", "deleted")
 
@@ -102,7 +103,22 @@ def create_request(
     )
 
 
-@router.post("/sandboxes", status_code=201, response_model=SandboxOut, responses=error_docs())
+# a template or workspace not found (404), a workspace busy elsewhere or the sandbox deleted
+# while it started (409), the queue or a quota full (429), no worker for it (501, 503), its
+# start failed (502) or timed out (504)
+@router.post(
+    "/sandboxes",
+    status_code=201,
+    response_model=SandboxOut,
+    responses={
+        200: {
+            "model": SandboxOut,
+            "description": "A retry with the same Idempotency-Key: the sandbox it made.",
+            "headers": replayed(),
+        },
+        **error_docs(TENANT, JSON_BODY, 404, 409, 501, 502, 504),
+    },
+)
 async def create_sandbox(
     body: CreateSandbox,
     who: Tenant,
@@ -128,7 +144,7 @@ async def create_sandbox(
     return JSONResponse(sandbox_out(result.sandbox), status_code=201)
 
 
-@router.get("/sandboxes", response_model=SandboxList, responses=error_docs())
+@router.get("/sandboxes", response_model=SandboxList, responses=error_docs(TENANT, PARAMS, 400))
 async def list_sandboxes(
     request: Request,
     who: Tenant,
@@ -165,18 +181,22 @@ async def list_sandboxes(
     return {"sandboxes": [sandbox_out(s) for s in page], "next_cursor": next_cursor}
 
 
-@router.get("/sandboxes/{name}", response_model=SandboxOut, responses=error_docs())
+@router.get("/sandboxes/{name}", response_model=SandboxOut, responses=error_docs(TENANT, 404))
 async def get_sandbox(name: str, who: Tenant, svc: Svc) -> dict[str, Any]:
     return sandbox_out(await svc.sandboxes.get(who, name))
 
 
-@router.delete("/sandboxes/{name}", status_code=204, responses=error_docs())
+@router.delete("/sandboxes/{name}", status_code=204, responses=error_docs(TENANT, 404))
 async def delete_sandbox(name: str, who: Tenant, svc: Svc) -> Response:
     await svc.sandboxes.delete(who, name)
     return Response(status_code=204)
 
 
-@router.post("/sandboxes/{name}/timeout", response_model=SandboxOut, responses=error_docs())
+@router.post(
+    "/sandboxes/{name}/timeout",
+    response_model=SandboxOut,
+    responses=error_docs(TENANT, JSON_BODY, SANDBOX),
+)
 async def extend_timeout(name: str, body: ExtendTimeout, who: Tenant, svc: Svc) -> dict[str, Any]:
     if body.timeout > svc.settings.max_timeout:
         raise InvalidRequestError(f"timeout is at most {svc.settings.max_timeout:g} seconds")
@@ -192,14 +212,22 @@ def network_out(state: dict[str, Any]) -> dict[str, Any]:
     return NetworkOut.model_validate(state).model_dump(mode="json")
 
 
-@router.get("/sandboxes/{name}/network", response_model=NetworkOut, responses=error_docs())
+@router.get(
+    "/sandboxes/{name}/network",
+    response_model=NetworkOut,
+    responses=error_docs(TENANT, SANDBOX, WORKER),
+)
 async def get_network(name: str, who: Tenant, svc: Svc) -> dict[str, Any]:
     """The running sandbox's network policy, and what its worker's egress gate let through
     and refused (with the last refusals: target and reason)."""
     return network_out(await svc.sandboxes.network(who, name))
 
 
-@router.put("/sandboxes/{name}/network", response_model=NetworkOut, responses=error_docs())
+@router.put(
+    "/sandboxes/{name}/network",
+    response_model=NetworkOut,
+    responses=error_docs(TENANT, JSON_BODY, SANDBOX, WORKER, 501),  # 501: the runtime cannot
+)
 async def set_network(name: str, body: SetNetwork, who: Tenant, svc: Svc) -> dict[str, Any]:
     """Change the running sandbox's network: new connections and DNS queries follow the new
     policy at once (open connections stay); false takes its interface away."""
@@ -237,7 +265,9 @@ async def _execute(name: str, body: Execute, who: TenantId, svc: Services) -> di
     }
 
 
-@router.post("/sandboxes/execute", response_model=ExecuteOut, responses=error_docs())
+@router.post(
+    "/sandboxes/execute", response_model=ExecuteOut, responses=error_docs(TENANT, JSON_BODY, AGENT)
+)
 async def execute_by_query(
     body: Execute, who: Tenant, svc: Svc, sandbox: Annotated[str, Query(min_length=1)]
 ) -> JSONResponse:
@@ -245,6 +275,10 @@ async def execute_by_query(
     return JSONResponse(await _execute(sandbox, body, who, svc))
 
 
-@router.post("/sandboxes/{name}/execute", response_model=ExecuteOut, responses=error_docs())
+@router.post(
+    "/sandboxes/{name}/execute",
+    response_model=ExecuteOut,
+    responses=error_docs(TENANT, JSON_BODY, AGENT),
+)
 async def execute(name: str, body: Execute, who: Tenant, svc: Svc) -> JSONResponse:
     return JSONResponse(await _execute(name, body, who, svc))

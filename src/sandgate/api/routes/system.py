@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from sandgate.api.deps import Services, Viewer, presented_key, resolve_key, services, viewer
 from sandgate.api.metrics import CONTENT_TYPE
+from sandgate.api.responses import VIEWER, error_docs
 from sandgate.core.clock import utcnow
 from sandgate.errors import AuthError, SandgateError, StoreError
 from sandgate.tunnel.hub import serve_tunnel
@@ -25,7 +26,7 @@ Svc = Annotated[Services, Depends(services)]
 STORE_PROBE_INTERVAL = 1.0  # seconds this instance reuses its last /readyz write probe
 
 
-@router.get("/api/v1/workers", tags=["workers"])
+@router.get("/api/v1/workers", tags=["workers"], responses=error_docs(VIEWER))
 async def list_workers(who: Who, svc: Svc) -> dict[str, Any]:
     """Connected and known workers, with the protections their runtime enforces. A tenant key
     sees only its own live sandboxes on each (`your_live_sandboxes`); an admin key sees every
@@ -100,7 +101,10 @@ async def _store_problem(svc: Services) -> str:
     response_class=Response,
     responses={
         200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}},
-        401: {"description": "the metrics token is asked for and was not given"},
+        401: {
+            **error_docs(401)[401],
+            "description": "the metrics token is asked for and was not given",
+        },
     },
 )
 async def metrics(request: Request, svc: Svc) -> Response:

@@ -25,7 +25,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from sandgate.api.deps import Services, Viewer, services, viewer
-from sandgate.api.routes.sandboxes import error_docs
+from sandgate.api.responses import JSON_BODY, VIEWER, error_docs
 from sandgate.api.schemas import BuildOut, TemplateOut
 from sandgate.core import build_spec
 from sandgate.errors import InvalidRequestError, PayloadTooLargeError
@@ -62,7 +62,12 @@ BUILD_TYPES = ("application/json", "multipart/form-data")
     "",
     status_code=201,
     response_model=TemplateOut,
-    responses={**error_docs(), 200: {"content": {"application/x-ndjson": {}}}},
+    # a bad archive or build document (400), an unknown base (404), a built-in's name (409),
+    # too many or too large templates (429)
+    responses={
+        **error_docs(VIEWER, JSON_BODY, 404, 409),
+        200: {"content": {"application/x-ndjson": {}}},
+    },
 )
 async def create_template(name: NameQuery, request: Request, who: Who, svc: Svc) -> Any:
     """Make template `name` (replacing one of that name).
@@ -157,7 +162,7 @@ async def _stream(
             _discard(context)
 
 
-@router.get("/builds/{build_id}", response_model=BuildOut, responses=error_docs())
+@router.get("/builds/{build_id}", response_model=BuildOut, responses=error_docs(VIEWER, 404))
 async def get_build(build_id: str, who: Who, svc: Svc) -> Any:
     """A build's record: its state, its whole log (the last 1 MiB), its error."""
     return asdict(await svc.builds.get(who.tenant, build_id))  # BuildOut leaves out its owner
@@ -225,17 +230,17 @@ def _discard(path: Path) -> None:
         path.unlink()
 
 
-@router.get("", response_model=list[TemplateOut], responses=error_docs())
+@router.get("", response_model=list[TemplateOut], responses=error_docs(VIEWER))
 async def list_templates(who: Who, svc: Svc) -> Any:
     return [template_out(r) for r in await svc.templates.list(who.tenant)]
 
 
-@router.get("/{name}", response_model=TemplateOut, responses=error_docs())
+@router.get("/{name}", response_model=TemplateOut, responses=error_docs(VIEWER, 404))
 async def get_template(name: str, who: Who, svc: Svc) -> Any:
     return template_out(await svc.templates.get(who.tenant, name))
 
 
-@router.delete("/{name}", status_code=204, responses=error_docs())
+@router.delete("/{name}", status_code=204, responses=error_docs(VIEWER, 404))
 async def delete_template(name: str, who: Who, svc: Svc) -> Response:
     await svc.templates.delete(who.tenant, name)
     return Response(status_code=204)

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Response
 
 from sandgate.api.deps import Services, services, tenant
-from sandgate.api.routes.sandboxes import error_docs
+from sandgate.api.responses import DISK, JSON_BODY, PARAMS, TENANT, WORKER, error_docs
 from sandgate.api.schemas import CommitIn, CreateWorkspace, RestoreIn, WorkspaceList, WorkspaceOut
 from sandgate.store.base import TenantId, WorkspaceRecord
 
@@ -17,6 +17,11 @@ router = APIRouter(prefix="/api/v1/workspaces", tags=["workspaces"])
 
 Tenant = Annotated[TenantId, Depends(tenant)]
 Svc = Annotated[Services, Depends(services)]
+
+# the workspace's worker does it: no such workspace or commit (404), in use or busy on
+# another worker (409), no worker serves workspaces (501), the git operation failed (502), the
+# workspace's lock is held (503), no answer in time (504); 400: a revision it cannot read
+GIT = (400, 404, 409, 501, *WORKER)
 
 
 async def workspace_out(svc: Services, record: WorkspaceRecord) -> dict[str, Any]:
@@ -31,36 +36,41 @@ async def workspace_out(svc: Services, record: WorkspaceRecord) -> dict[str, Any
     ).model_dump(mode="json")
 
 
-@router.post("", status_code=201, response_model=WorkspaceOut, responses=error_docs())
+@router.post(
+    "",
+    status_code=201,
+    response_model=WorkspaceOut,
+    responses=error_docs(TENANT, JSON_BODY, 409, 501, WORKER, DISK),  # 409: the name is taken
+)
 async def create_workspace(body: CreateWorkspace, who: Tenant, svc: Svc) -> dict[str, Any]:
     record = await svc.workspaces.create(who, body.name, body.quota_mb)
     return await workspace_out(svc, record)
 
 
-@router.get("", response_model=WorkspaceList, responses=error_docs())
+@router.get("", response_model=WorkspaceList, responses=error_docs(TENANT))
 async def list_workspaces(who: Tenant, svc: Svc) -> dict[str, Any]:
     return {"workspaces": [await workspace_out(svc, r) for r in await svc.workspaces.all(who)]}
 
 
-@router.get("/{name}", response_model=WorkspaceOut, responses=error_docs())
+@router.get("/{name}", response_model=WorkspaceOut, responses=error_docs(TENANT, 404))
 async def get_workspace(name: str, who: Tenant, svc: Svc) -> dict[str, Any]:
     return await workspace_out(svc, await svc.workspaces.get(who, name))
 
 
-@router.delete("/{name}", status_code=204, responses=error_docs())
+@router.delete("/{name}", status_code=204, responses=error_docs(TENANT, 404, 409, 501, WORKER))
 async def delete_workspace(name: str, who: Tenant, svc: Svc) -> Response:
     await svc.workspaces.delete(who, name)
     return Response(status_code=204)
 
 
-@router.post("/{name}/commits", status_code=201, responses=error_docs())
+@router.post("/{name}/commits", status_code=201, responses=error_docs(TENANT, JSON_BODY, GIT, DISK))
 async def commit_workspace(name: str, body: CommitIn, who: Tenant, svc: Svc) -> dict[str, Any]:
     """Snapshot the workspace: `commit`, `created` (false: nothing changed since the last
     commit) and `skipped` (files above the size rule, left out)."""
     return await svc.workspaces.commit(who, name, body.message)
 
 
-@router.get("/{name}/commits", responses=error_docs())
+@router.get("/{name}/commits", responses=error_docs(TENANT, PARAMS, GIT))
 async def list_commits(
     name: str,
     who: Tenant,
@@ -72,13 +82,13 @@ async def list_commits(
     return await svc.workspaces.log_page(who, name, limit=limit, start=start)
 
 
-@router.get("/{name}/commits/{sha}", responses=error_docs())
+@router.get("/{name}/commits/{sha}", responses=error_docs(TENANT, GIT))
 async def show_commit(name: str, sha: str, who: Tenant, svc: Svc) -> dict[str, Any]:
     """The commit with its diff against its parent: `files` (stat) and `patch`."""
     return await svc.workspaces.show(who, name, sha)
 
 
-@router.post("/{name}/restore", responses=error_docs())
+@router.post("/{name}/restore", responses=error_docs(TENANT, JSON_BODY, GIT, DISK))
 async def restore_workspace(name: str, body: RestoreIn, who: Tenant, svc: Svc) -> dict[str, Any]:
     """Bring the files back to a commit: the current state is committed first, then the
     restore is a commit of its own, so nothing is lost."""
