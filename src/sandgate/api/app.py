@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from sandgate.api import errors, openapi
+from sandgate.api import errors, openapi, portal
 from sandgate.api.deps import Services
 from sandgate.api.e2b.dispatch import E2BDispatch
 from sandgate.api.internal_auth import InternalAuth
@@ -18,6 +18,7 @@ from sandgate.api.metrics import ApiMetrics, RequestMetrics
 from sandgate.api.ports import is_proxied_path
 from sandgate.api.request_context import RequestContext
 from sandgate.api.routes import (
+    admin,
     admission,
     contexts,
     exec_jobs,
@@ -168,6 +169,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(workspaces.router)
     app.include_router(system.router)
     app.include_router(internal.router)
+    app.include_router(admin.router)
+    portal.install(app)  # last: /ui's catch-all comes after every API route
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_json_bytes,
