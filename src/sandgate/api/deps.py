@@ -52,9 +52,16 @@ class Services:
     metrics: ApiMetrics  # this instance's Prometheus series (GET /metrics)
 
 
-def services(request: Request) -> Services:
+def services_of(request: Request) -> Services:
     found: Services = request.app.state.services
     return found
+
+
+async def services(request: Request) -> Services:
+    """The app's services, as a dependency. A coroutine on purpose: FastAPI runs a plain
+    function dependency in its thread pool, a hop per request that cost more than the rest
+    of the dependency work (the profile in docs/benchmarks.md)."""
+    return services_of(request)
 
 
 def presented_key(headers: dict[str, str] | object) -> str | None:
@@ -97,7 +104,7 @@ def tenant_of(record: ApiKey) -> TenantId:
 async def tenant(request: Request) -> TenantId:
     """The tenant of a tenant API key, within its rate limit. Worker tokens cannot call the API;
     admin keys are refused (403)."""
-    svc = services(request)
+    svc = services_of(request)
     who = tenant_of(await resolve_key(svc, presented_key(request.headers)))
     log_context.bind(tenant=who)
     await svc.admission.check_rate(who)
@@ -118,7 +125,7 @@ class Viewer:
 
 async def viewer(request: Request) -> Viewer:
     """An admin key (the fleet-wide view) or a tenant key (its own view, within its rate limit)."""
-    svc = services(request)
+    svc = services_of(request)
     record = await resolve_key(svc, presented_key(request.headers))
     if record.kind == "admin":
         return Viewer(None)

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from pydantic import ValidationError
 
-from sandgate.api.deps import Services, presented_key, services, tenant
+from sandgate.api.deps import Services, presented_key, services, services_of, tenant
 from sandgate.api.errors import error_response, status_of
 from sandgate.api.ports import HOST_FORM, http_relay, ws_relay
 from sandgate.api.ports.credentials import TRAFFIC_HEADER, Caller, caller
@@ -120,7 +120,7 @@ async def to_the_root(name: str, port: str, request: Request) -> Response:
 async def proxy(name: str, port: str, request: Request) -> Response:
     """Any HTTP request for the server on `port` inside the sandbox (docs/api.md, "Ports
     and previews")."""
-    svc = services(request)
+    svc = services_of(request)
     who = await _admitted(request, svc, name, port)
     target = target_of(request.scope, name, port, parse_port(port))
     try:
