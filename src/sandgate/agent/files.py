@@ -197,6 +197,14 @@ def _open_nofollow(target: Target, flags: int, mode: int = 0o644) -> int:
 
 
 def op_open_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
+    """Open a file for reading: its handle and size. With ``first`` (bytes, at most
+    MAX_READ_LENGTH) the answer carries the file's first bytes too, and a file that fits is
+    closed at once (``handle`` null, ``eof`` true): a small download in one round trip."""
+    first = req.get("first")
+    if first is not None:
+        first = int_field(req, "first")
+        if not 0 < first <= MAX_READ_LENGTH:
+            raise AgentError("invalid_request", f"'first' must be between 1 and {MAX_READ_LENGTH}")
     target = paths.resolve(st.roots, req.get("path"), follow=True)
     # O_NONBLOCK so that a FIFO cannot hang the request; only regular files are served.
     fd = _open_nofollow(target, os.O_RDONLY | os.O_NONBLOCK)
@@ -207,11 +215,30 @@ def op_open_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, b
         if not stat.S_ISREG(opened.st_mode):
             raise AgentError("invalid_request", f"{target.spath} is not a regular file")
         os.set_blocking(fd, True)
+        head = _read_up_to(fd, first) if first else b""
     except BaseException:
         os.close(fd)
         raise
+    if first and (len(head) < first or len(head) >= opened.st_size):
+        os.close(fd)  # all of it is in this answer (what was read is the size it has now)
+        return {"handle": None, "size": len(head), "first": len(head), "eof": True}, head
     hid = _register(st, Handle("read", fd, target.spath))
-    return {"handle": hid, "size": opened.st_size}, b""
+    answer: Header = {"handle": hid, "size": opened.st_size}
+    if first:
+        answer.update(first=len(head), eof=False)
+    return answer, head
+
+
+def _read_up_to(fd: int, length: int) -> bytes:
+    chunks: list[bytes] = []
+    remaining = length
+    while remaining:
+        chunk = os.read(fd, remaining)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
 
 
 def op_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
@@ -219,18 +246,10 @@ def op_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]
     length = int_field(req, "length")
     if not 0 < length <= MAX_READ_LENGTH:
         raise AgentError("invalid_request", f"'length' must be between 1 and {MAX_READ_LENGTH}")
-    chunks: list[bytes] = []
-    remaining = length
     with handle.lock:
         if handle.closed:
             raise AgentError("not_found", "the handle was closed")
-        while remaining:
-            chunk = os.read(handle.fd, remaining)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-    return {}, b"".join(chunks)
+        return {}, _read_up_to(handle.fd, length)
 
 
 def op_close_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
@@ -241,6 +260,10 @@ def op_close_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, 
 
 
 def op_open_write(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
+    """Open a temp file beside the target: its handle. With ``commit`` true the payload is
+    the whole file: written and renamed onto the target at once, the answer its ``entry``
+    (a small upload in one round trip)."""
+    commit = bool_field(req, "commit", False)
     target = paths.resolve(st.roots, req.get("path"), follow=True)
     if target.is_root or os.path.isdir(target.real):
         raise AgentError("is_a_directory", f"{target.spath} is a directory")
@@ -253,18 +276,42 @@ def op_open_write(st: AgentState, req: Header, payload: bytes) -> tuple[Header, 
         raise paths.outside(target.spath)
     temp = paths.upload_temp_name(target.real)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    hid = _register(st, Handle("write", fd, target.spath, target.real, temp))
-    return {"handle": hid}, b""
+    handle = Handle("write", fd, target.spath, target.real, temp)
+    if not commit:
+        return {"handle": _register(st, handle)}, b""
+    with handle.lock:
+        try:
+            _write_all(handle.fd, payload)
+        except BaseException:
+            handle.close(discard=True)
+            raise
+        return {"handle": None, "entry": _commit(handle)}, b""
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _commit(handle: Handle) -> Header:
+    """Close the write handle and rename its temp file onto the target (held locked)."""
+    try:
+        handle.close(discard=False)
+        if os.path.isdir(handle.target):
+            raise AgentError("is_a_directory", f"{handle.spath} is a directory")
+        os.rename(handle.temp, handle.target)
+    finally:
+        _unlink_quietly(handle.temp)  # nothing left once renamed
+    return paths.entry(handle.spath, os.lstat(handle.target))
 
 
 def op_write(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
     handle = _lookup(st, req, "write")
-    view = memoryview(payload)
     with handle.lock:
         if handle.closed:
             raise AgentError("not_found", "the handle was closed")
-        while view:
-            view = view[os.write(handle.fd, view) :]
+        _write_all(handle.fd, payload)
     return {"written": len(payload)}, b""
 
 
@@ -272,13 +319,7 @@ def op_close_write(st: AgentState, req: Header, payload: bytes) -> tuple[Header,
     commit = bool_field(req, "commit")
     handle = _lookup(st, req, "write", pop=True)
     with handle.lock:
-        try:
-            handle.close(discard=False)
-            if not commit:
-                return {}, b""
-            if os.path.isdir(handle.target):
-                raise AgentError("is_a_directory", f"{handle.spath} is a directory")
-            os.rename(handle.temp, handle.target)
-        finally:
-            _unlink_quietly(handle.temp)  # nothing left once renamed
-        return {"entry": paths.entry(handle.spath, os.lstat(handle.target))}, b""
+        if not commit:
+            handle.close(discard=True)
+            return {}, b""
+        return {"entry": _commit(handle)}, b""

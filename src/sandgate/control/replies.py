@@ -40,9 +40,23 @@ class HandleReply(_Reply):
     handle: int | str
 
 
+class OpenWriteReply(_Reply):
+    """`open_write`: a handle, or with `commit` (the file in one call) its entry; an agent
+    that predates `commit` answers a handle only, and the caller goes on the long way."""
+
+    handle: int | str | None = None
+    entry: Entry | None = None
+
+
 class OpenReadReply(_Reply):
-    handle: int | str
+    """`open_read`: a handle and the size; asked for its `first` bytes, how many came in the
+    payload and whether that is all (`eof`: no handle left open). An agent that predates
+    `first` answers without it."""
+
+    handle: int | str | None
     size: int = Field(ge=0)
+    first: int | None = Field(default=None, ge=0)
+    eof: bool = False
 
 
 class ExecReply(_Reply):

@@ -525,6 +525,36 @@ def test_open_read_errors(agent: Agent) -> None:
     assert agent.error("open_read", path="fifo") == "invalid_request"
 
 
+def test_a_small_file_in_one_call_each_way(agent: Agent) -> None:
+    entry = agent.ok("open_write", b"one trip", path="sub/one.txt", commit=True)
+    assert entry["handle"] is None and entry["entry"]["size"] == 8
+    assert (agent.workspace / "sub" / "one.txt").read_bytes() == b"one trip"
+    assert [p.name for p in (agent.workspace / "sub").iterdir()] == ["one.txt"]  # no temp left
+    header, body = agent.call("open_read", path="sub/one.txt", first=MiB)
+    assert header["ok"] and (header["handle"], header["eof"], header["size"]) == (None, True, 8)
+    assert body == b"one trip" and header["first"] == 8
+    # a file larger than `first`: its head, and a handle that reads on from there
+    big = os.urandom(3 * 1000 + 7)
+    (agent.workspace / "big.bin").write_bytes(big)
+    header, body = agent.call("open_read", path="big.bin", first=1000)
+    assert (header["eof"], header["first"], header["size"], body) == (False, 1000, 3007, big[:1000])
+    rest, more = agent.call("read", handle=header["handle"], length=MiB)
+    assert rest["ok"] and body + more == big
+    agent.ok("close_read", handle=header["handle"])
+    # an empty file, and a file exactly `first` long: both whole in the answer
+    (agent.workspace / "empty").write_bytes(b"")
+    assert agent.call("open_read", path="empty", first=10)[0]["eof"] is True
+    (agent.workspace / "ten").write_bytes(b"0123456789")
+    header, body = agent.call("open_read", path="ten", first=10)
+    assert (header["eof"], header["handle"], body) == (True, None, b"0123456789")
+    # errors are the same as the long way's, and nothing is left behind
+    assert agent.error("open_write", b"x", path="/workspace", commit=True) == "is_a_directory"
+    assert agent.error("open_read", path="big.bin", first=0) == "invalid_request"
+    assert agent.error("open_read", path="big.bin", first=(4 << 20) + 1) == "invalid_request"
+    assert agent.error("open_write", b"x", path="w", commit="yes") == "invalid_request"
+    assert sorted(p.name for p in agent.workspace.iterdir()) == ["big.bin", "empty", "sub", "ten"]
+
+
 def test_too_many_handles(agent: Agent) -> None:
     (agent.workspace / "r.txt").write_bytes(b"abc")
     handles = [agent.ok("open_read", path="r.txt")["handle"] for _ in range(64)]
