@@ -52,11 +52,6 @@ LINK_STATE: Mapping[str, StateRow] = MappingProxyType(
         "RpcChannel._send_lock": StateRow(
             "serialises frames written to one link", "one lock per link", "per-process by nature"
         ),
-        "FrameDecoder._buffer": StateRow(
-            "bytes of a frame not yet complete on a pipe",
-            "one frame (header 1 MiB + payload 8 MiB)",
-            "per-process by nature",
-        ),
     }
 )
 

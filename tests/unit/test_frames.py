@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import random
 from typing import BinaryIO, cast
@@ -9,6 +10,7 @@ from typing import BinaryIO, cast
 import pytest
 
 from sandgate.agent import frames
+from sandgate.worker.agent_link import read_frame
 
 SAMPLES: list[tuple[frames.Header, bytes]] = [
     ({"id": 1, "op": "ping"}, b""),
@@ -35,28 +37,35 @@ def test_encoding_is_prefix_header_payload() -> None:
     assert data[frames.PREFIX.size :] == b'{"id":1}abc'
 
 
-def test_decoder_fed_byte_by_byte() -> None:
-    decoder = frames.FrameDecoder()
+async def _read_all(pieces: list[bytes]) -> list[tuple[frames.Header, bytes]]:
+    """Frames read by the worker's reader (agent_link.read_frame) from a pipe that delivered
+    `pieces`, then ended."""
+    reader = asyncio.StreamReader()
+    for piece in pieces:
+        reader.feed_data(piece)
+    reader.feed_eof()
     decoded = []
-    for byte in _stream():
-        decoded += decoder.feed(bytes([byte]))
-    assert decoded == SAMPLES
+    while (frame := await read_frame(reader)) is not None:
+        decoded.append(frame)
+    return decoded
+
+
+def test_reader_fed_byte_by_byte() -> None:
+    data = _stream()
+    assert asyncio.run(_read_all([data[i : i + 1] for i in range(len(data))])) == SAMPLES
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_decoder_fed_in_arbitrary_splits(seed: int) -> None:
+def test_reader_fed_in_arbitrary_splits(seed: int) -> None:
     data = _stream()
     rng = random.Random(seed)
     cuts = sorted(rng.sample(range(1, len(data)), rng.randint(1, 12)))
-    decoder = frames.FrameDecoder()
-    decoded = []
-    for start, end in zip([0, *cuts], [*cuts, len(data)], strict=True):
-        decoded += decoder.feed(data[start:end])
-    assert decoded == SAMPLES
+    pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+    assert asyncio.run(_read_all(pieces)) == SAMPLES
 
 
-def test_decoder_whole_stream_at_once() -> None:
-    assert frames.FrameDecoder().feed(_stream()) == SAMPLES
+def test_reader_whole_stream_at_once() -> None:
+    assert asyncio.run(_read_all([_stream()])) == SAMPLES
 
 
 def test_encode_rejects_oversize() -> None:
@@ -99,9 +108,16 @@ def test_decode_rejects_garbage(data: bytes) -> None:
         frames.PREFIX.pack(4, 0) + b"null",
     ],
 )
-def test_decoder_rejects_garbage(data: bytes) -> None:
+def test_reader_rejects_garbage(data: bytes) -> None:
     with pytest.raises(frames.FrameError):
-        frames.FrameDecoder().feed(data)
+        asyncio.run(_read_all([data]))
+
+
+def test_reader_rejects_a_frame_cut_short() -> None:
+    whole = frames.encode({"id": 1}, b"payload")
+    for cut in (3, frames.PREFIX.size + 2, len(whole) - 1):
+        with pytest.raises(frames.FrameError, match="ended inside a frame"):
+            asyncio.run(_read_all([whole[:cut]]))
 
 
 def test_read_frame_sequence_then_eof() -> None:

@@ -48,31 +48,8 @@ def decode(frame: bytes) -> tuple[Header, bytes]:
         raise FrameError("frame length prefix out of bounds")
     if len(frame) != PREFIX.size + hlen + plen:
         raise FrameError("frame length does not match its prefix")
-    header = _parse_header(frame[PREFIX.size : PREFIX.size + hlen])
+    header = parse_header(frame[PREFIX.size : PREFIX.size + hlen])
     return header, bytes(frame[PREFIX.size + hlen :])
-
-
-class FrameDecoder:
-    """Incremental decoder for a byte stream (a pipe): feed bytes, get whole frames."""
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-
-    def feed(self, data: bytes) -> list[tuple[Header, bytes]]:
-        self._buffer += data
-        frames: list[tuple[Header, bytes]] = []
-        while len(self._buffer) >= PREFIX.size:
-            hlen, plen = PREFIX.unpack_from(self._buffer)
-            if hlen > MAX_HEADER_BYTES or plen > MAX_PAYLOAD_BYTES:
-                raise FrameError("frame length prefix out of bounds")
-            end = PREFIX.size + hlen + plen
-            if len(self._buffer) < end:
-                break
-            header = _parse_header(bytes(self._buffer[PREFIX.size : PREFIX.size + hlen]))
-            payload = bytes(self._buffer[PREFIX.size + hlen : end])
-            del self._buffer[:end]
-            frames.append((header, payload))
-        return frames
 
 
 def read_frame(stream: BinaryIO) -> tuple[Header, bytes] | None:
@@ -86,7 +63,7 @@ def read_frame(stream: BinaryIO) -> tuple[Header, bytes] | None:
     body = _read_exact(stream, hlen + plen)
     if body is None:
         raise FrameError("stream ended inside a frame")
-    return _parse_header(body[:hlen]), body[hlen:]
+    return parse_header(body[:hlen]), body[hlen:]
 
 
 def error_header(request_id: int | None, code: str, message: str) -> Header:
@@ -107,7 +84,7 @@ def _read_exact(stream: BinaryIO, size: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _parse_header(raw: bytes) -> Header:
+def parse_header(raw: bytes) -> Header:
     try:
         header = json.loads(raw)
     except ValueError as exc:

@@ -4,12 +4,39 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 
-from sandgate.agent.frames import FrameDecoder, FrameError, Header
+from sandgate.agent.frames import (
+    MAX_HEADER_BYTES,
+    MAX_PAYLOAD_BYTES,
+    PREFIX,
+    FrameError,
+    Header,
+    parse_header,
+)
 from sandgate.tunnel.rpc import RpcChannel
 
 log = logging.getLogger(__name__)
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[Header, bytes] | None:
+    """One frame from a stream, read to its exact length (one copy of the payload, out of the
+    reader's buffer). None at a clean end (between frames); FrameError on a bad prefix or
+    header, or a stream that ends inside a frame."""
+    try:
+        prefix = await reader.readexactly(PREFIX.size)
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise FrameError("stream ended inside a frame") from None
+        return None
+    hlen, plen = PREFIX.unpack(prefix)
+    if hlen > MAX_HEADER_BYTES or plen > MAX_PAYLOAD_BYTES:
+        raise FrameError("frame length prefix out of bounds")
+    try:
+        header = parse_header(await reader.readexactly(hlen))
+        payload = await reader.readexactly(plen) if plen else b""
+    except asyncio.IncompleteReadError:
+        raise FrameError("stream ended inside a frame") from None
+    return header, payload
 
 
 class AgentLink:
@@ -19,8 +46,6 @@ class AgentLink:
         self._process = process
         self._stdin = process.stdin
         self._stdout = process.stdout
-        self._decoder = FrameDecoder()
-        self._buffered: deque[tuple[Header, bytes]] = deque()
         self.ready = asyncio.Event()
         self.ready_info: Header = {}
         self.channel = RpcChannel(self._send, on_event=self._on_event, name=f"agent {name}")
@@ -39,16 +64,11 @@ class AgentLink:
         await self._stdin.drain()
 
     async def _next_frame(self) -> tuple[Header, bytes] | None:
-        while not self._buffered:
-            data = await self._stdout.read(1 << 16)
-            if not data:
-                return None
-            try:
-                self._buffered.extend(self._decoder.feed(data))
-            except FrameError as exc:
-                log.error("agent.bad_frame", extra={"sandbox": self.name, "error": str(exc)})
-                return None
-        return self._buffered.popleft()
+        try:
+            return await read_frame(self._stdout)
+        except FrameError as exc:
+            log.error("agent.bad_frame", extra={"sandbox": self.name, "error": str(exc)})
+            return None
 
     async def _on_event(self, header: Header, payload: bytes) -> None:
         if header.get("event") == "ready":

@@ -198,11 +198,6 @@ WORKER_OBJECT_STATE: Mapping[str, StateRow] = MappingProxyType(
             "per-process by nature (one worker has a workspace mounted); across instances the "
             "store's advisory lock orders commits and restores",
         ),
-        "AgentLink._buffered": StateRow(
-            "frames decoded from an agent's pipe, not yet dispatched",
-            "one read (64 KiB) worth of frames",
-            "per-process by nature: the agent is this worker's child",
-        ),
         "AgentLink.ready": StateRow(
             "set when the sandbox's agent reported ready",
             "one event per sandbox",

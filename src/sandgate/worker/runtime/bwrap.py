@@ -58,6 +58,7 @@ from sandgate.worker.cgroups import CgroupHost, SandboxCgroups
 from sandgate.worker.cleanup import remove_tree
 from sandgate.worker.egress import EgressConfig, EgressGate
 from sandgate.worker.layers import layer_name
+from sandgate.worker.pipes import PIPE_LIMIT, widen_pipes
 from sandgate.worker.runtime import bwrap_host
 from sandgate.worker.runtime.base import ImageSpec, RunningSandbox, SandboxSpec
 from sandgate.worker.runtime.bwrap_host import SANDBOX_UID, untraversable
@@ -493,7 +494,9 @@ class BwrapRuntime:
                 cwd="/",  # not the worker's: the host path must not reach pid 1 or pin a mount
                 env={},  # pid 1's /proc/1/environ: nothing of the host (see the docstring)
                 start_new_session=True,  # the worker's terminal signals must not reach it
+                limit=PIPE_LIMIT,
             )
+            widen_pipes(process)
         except BaseException as exc:
             if cg is not None:
                 await cg.kill_all(wait_s=2.0)

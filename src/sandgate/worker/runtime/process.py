@@ -17,6 +17,7 @@ from typing import Any
 
 from sandgate.errors import WorkerError
 from sandgate.worker.cleanup import remove_tree
+from sandgate.worker.pipes import PIPE_LIMIT, widen_pipes
 from sandgate.worker.runtime.base import RunningSandbox, SandboxSpec
 from sandgate.worker.runtime.bwrap import check_spec
 
@@ -137,7 +138,9 @@ class ProcessRuntime:
                 cwd=workspace,
                 env=env,
                 start_new_session=True,
+                limit=PIPE_LIMIT,
             )
+            widen_pipes(process)
         except BaseException as exc:
             await asyncio.to_thread(remove_tree, sandbox_dir)
             if isinstance(exc, Exception) and not isinstance(exc, WorkerError):

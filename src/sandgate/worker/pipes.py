@@ -1,0 +1,25 @@
+"""The agent's stdin and stdout pipes, sized for the frames that pass through them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+
+# The agent's pipes: a reader that buffers up to PIPE_LIMIT before it pauses the pipe (the
+# asyncio default, 64 KiB, paused and resumed it many times for one file chunk), and pipes of
+# PIPE_BYTES (the kernel's default is 64 KiB: a 1 MiB chunk took 16 wake-ups on each side).
+# Both are only filled while a frame passes: an idle sandbox holds no buffer.
+PIPE_LIMIT = 1 << 20
+PIPE_BYTES = 1 << 20
+F_SETPIPE_SZ = 1031
+
+
+def widen_pipes(process: asyncio.subprocess.Process) -> None:
+    """Give the agent's stdin and stdout pipes PIPE_BYTES (best effort: the default works)."""
+    for stream in (process.stdin, process.stdout):
+        transport = getattr(stream, "transport", None) or getattr(stream, "_transport", None)
+        pipe = transport.get_extra_info("pipe") if transport is not None else None
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(pipe.fileno(), F_SETPIPE_SZ, PIPE_BYTES)
