@@ -56,6 +56,15 @@ def server(
         float,
         typer.Option(envvar="SANDGATE_START_TIMEOUT", help="seconds a sandbox may take to start"),
     ] = 30.0,
+    max_exec_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar="SANDGATE_MAX_EXEC_TIMEOUT",
+            min=1.0,
+            help="the longest `timeout` an execute, exec job or code run may ask for (seconds); "
+            "the default timeout (30 s) is lowered to it",
+        ),
+    ] = 3600.0,
     owner_ttl: Annotated[
         float,
         typer.Option(envvar="SANDGATE_OWNER_TTL", help="seconds a tunnel owner record is trusted"),
@@ -276,6 +285,8 @@ def server(
         node_url=node_url,
         secret=_read_secret(secret_file),
         start_timeout=start_timeout,
+        max_exec_timeout=max_exec_timeout,
+        default_exec_timeout=min(30.0, max_exec_timeout),
         owner_ttl=owner_ttl,
         recovery_after=recovery_after,
         recovery_interval=recovery_interval,

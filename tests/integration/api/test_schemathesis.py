@@ -35,7 +35,13 @@ CHECKS = (
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    deployment = start_deployment(tmp_path_factory.mktemp("schemathesis"), worker=False)
+    # generated code runs for at most 10 s (a generated `timeout` above it is a 400): a run
+    # once held a context for 90 s, and its stream (then without a beat) outlived the client
+    deployment = start_deployment(
+        tmp_path_factory.mktemp("schemathesis"),
+        worker=False,
+        server_args=("--max-exec-timeout", "10"),
+    )
     try:
         sandgate("tenants", "limit", "--db", deployment.db, "alpha", "--max-sandboxes", "3")
         deployment.start_worker()

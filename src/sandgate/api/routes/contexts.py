@@ -8,6 +8,7 @@ that goes away interrupts the code. See control/contexts.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -21,6 +22,8 @@ from sandgate.api.schemas import CodeContextOut, CreateCodeContext, RunCode
 from sandgate.control.contexts import DEFAULT_CONTEXTS, Context
 from sandgate.errors import InvalidRequestError
 from sandgate.store.base import TenantId
+
+KEEPALIVE_SECONDS = 15.0  # the longest a run's stream is silent: a comment line then
 
 router = APIRouter(prefix="/api/v1/sandboxes/{name}", tags=["code contexts"])
 
@@ -91,7 +94,10 @@ async def _stream(
 
     async def sse() -> AsyncIterator[bytes]:
         count = None
-        async for event in events:
+        async for event in keep_alive(events, KEEPALIVE_SECONDS):
+            if event is None:  # a cell that prints nothing for a while: idle proxies stay
+                yield b": keep-alive\n\n"
+                continue
             kind = event.pop("type", "")
             if kind == "number_of_executions":
                 count = event.get("execution_count")
@@ -105,6 +111,28 @@ async def _stream(
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+async def keep_alive(
+    events: AsyncIterator[dict[str, Any]], every: float
+) -> AsyncIterator[dict[str, Any] | None]:
+    """`events`, with None whenever `every` seconds pass without one (the wait for the
+    event goes on: it is never cancelled for the beat)."""
+    while True:
+        waiting = asyncio.ensure_future(anext(events))
+        try:
+            while not waiting.done():
+                await asyncio.wait({waiting}, timeout=every)
+                if not waiting.done():
+                    yield None
+            try:
+                event = waiting.result()
+            except StopAsyncIteration:
+                return
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+        yield event
 
 
 def _event(kind: str, body: dict[str, Any]) -> bytes:
