@@ -171,6 +171,8 @@ export interface ExecJob {
   finished_at: string | null;
   stdout?: string;
   stderr?: string;
+  stdout_truncated?: boolean;
+  stderr_truncated?: boolean;
 }
 
 export interface Template {

@@ -12,7 +12,7 @@ import { SignIn } from "./views/signin";
 
 function App() {
   const [signedIn, setSignedIn] = useState(savedKey() !== null);
-  const [admin, setAdmin] = useState(false);
+  const [admin, setAdmin] = useState<boolean | null>(null); // null: not known yet
   const route = useRoute();
   useEffect(() => {
     if (!signedIn) return;
@@ -20,19 +20,21 @@ function App() {
       .then((w) => setAdmin(w.view === "fleet"))
       .catch((e) => {
         if (e instanceof ApiError && e.status === 401) signOut();
+        else setAdmin(false); // the pages say what fails
       });
   }, [signedIn]);
   const signOut = () => {
     forgetKey();
     setSignedIn(false);
-    setAdmin(false);
+    setAdmin(null);
     navigate("/");
   };
   if (!signedIn) return <SignIn onSignedIn={() => setSignedIn(true)} />;
   const parts = route.split("/").filter(Boolean);
   const tenantOnly = <p class="hint">An admin key runs no sandboxes: sign in with a tenant's key for this.</p>;
   let page;
-  if (parts[0] === "sandboxes" && parts[1]) page = admin ? tenantOnly : <Sandbox name={parts[1]} tab={parts[2] ?? "overview"} />;
+  if (admin === null) page = <p class="hint">Loading…</p>; // a tenant page would only fail for an admin key
+  else if (parts[0] === "sandboxes" && parts[1]) page = admin ? tenantOnly : <Sandbox name={parts[1]} tab={parts[2] ?? "overview"} />;
   else if (parts[0] === "templates") page = <Templates />;
   else if (parts[0] === "workspaces") page = admin ? tenantOnly : <Workspaces />;
   else if (parts[0] === "admin") page = admin ? <Admin /> : <p class="hint">The admin views take an admin key.</p>;
@@ -43,9 +45,9 @@ function App() {
       <header>
         <strong>sandgate</strong>
         <nav>
-          {!admin && <Link to="/">Sandboxes</Link>}
+          {admin === false && <Link to="/">Sandboxes</Link>}
           <Link to="/templates">Templates</Link>
-          {!admin && <Link to="/workspaces">Workspaces</Link>}
+          {admin === false && <Link to="/workspaces">Workspaces</Link>}
           {admin && <Link to="/admin">Admin</Link>}
           <a href="/docs">API</a>
         </nav>

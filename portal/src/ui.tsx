@@ -1,6 +1,7 @@
 // Small pieces every view uses: links, errors, times, a poll.
 import type { ComponentChildren } from "preact";
 import { useEffect, useRef, useState } from "preact/hooks";
+import { ApiError } from "./api";
 import { BASE, onLink } from "./router";
 
 export function Link(props: { to: string; children: ComponentChildren; testid?: string }) {
@@ -37,24 +38,31 @@ export function bytes(n: number): string {
   return `${i ? n.toFixed(1) : n} ${units[i]}`;
 }
 
-// load(): the data, again every `every` ms while mounted; reload() at once
+// load(): the data, again every `every` ms while mounted; reload() at once. What it shows is
+// never stale: a 404 (the thing is gone) drops the data, and so does a failure before the
+// first answer for new deps (another folder, another sandbox).
 export function usePoll<T>(load: () => Promise<T>, every: number, deps: unknown[] = []) {
   const [data, setData] = useState<T | null>(null);
   const [error, setError] = useState<unknown>(null);
   const tick = useRef(0);
   const [nonce, setNonce] = useState(0);
+  const shown = useRef("");
   useEffect(() => {
     let live = true;
     const mine = ++tick.current;
+    const key = JSON.stringify(deps);
     const run = async () => {
       try {
         const got = await load();
         if (live && mine === tick.current) {
           setData(got);
           setError(null);
+          shown.current = key;
         }
       } catch (e) {
-        if (live) setError(e);
+        if (!live) return;
+        setError(e);
+        if (shown.current !== key || (e instanceof ApiError && e.status === 404)) setData(null);
       }
     };
     run();
@@ -82,5 +90,5 @@ export function useAction() {
       setBusy(false);
     }
   };
-  return { busy, error, run };
+  return { busy, error, run, clear: () => setError(null) };
 }

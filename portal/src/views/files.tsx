@@ -1,10 +1,15 @@
 import { useRef, useState } from "preact/hooks";
-import { del, download, get, post, sandboxPath, upload, type FileEntry } from "../api";
+import { ApiError, del, download, get, post, sandboxPath, upload, type FileEntry } from "../api";
 import { bytes, Problem, useAction, usePoll, when } from "../ui";
 
 function join(dir: string, name: string): string {
   return dir.endsWith("/") ? dir + name : `${dir}/${name}`;
 }
+
+// a sandbox without a template of its own has no "/": its files are under these roots
+const ROOTS: FileEntry[] = ["/workspace", "/tmp"].map((path) => ({
+  name: path.slice(1), path, type: "dir", size: 0, mode: "", mtime: "",
+}));
 
 function parent(dir: string): string {
   const up = dir.replace(/\/+$/, "").replace(/\/[^/]*$/, "");
@@ -21,12 +26,16 @@ export function Files(props: { name: string }) {
     [dir],
   );
   const action = useAction();
+  const uploads = useAction();
   const picker = useRef<HTMLInputElement>(null);
   const go = (to: string) => {
     setDir(to);
     setTyped(to);
+    action.clear();
+    uploads.clear();
   };
-  const entries = [...(list.data?.entries ?? [])].sort(
+  const rootsOnly = dir === "/" && list.error instanceof ApiError && list.error.code === "path_outside_sandbox";
+  const entries = [...(rootsOnly ? ROOTS : list.data?.entries ?? [])].sort(
     (a, b) => Number(b.type === "dir") - Number(a.type === "dir") || a.name.localeCompare(b.name),
   );
   return (
@@ -37,25 +46,31 @@ export function Files(props: { name: string }) {
         <button type="button" onClick={() => go(parent(dir))} disabled={dir === "/"}>
           Up
         </button>
-        <label class="button">
-          Upload
+        <label class={uploads.busy || rootsOnly ? "button disabled" : "button"}>
+          {uploads.busy ? "Uploading…" : "Upload"}
           <input
             ref={picker}
             type="file"
             multiple
             data-testid="upload"
             hidden
-            onChange={() => action.run(async () => {
-              for (const file of Array.from(picker.current?.files ?? [])) {
-                await upload(`${base}?path=${encodeURIComponent(join(dir, file.name))}`, file);
+            disabled={uploads.busy || rootsOnly}
+            onChange={() => uploads.run(async () => {
+              const files = Array.from(picker.current?.files ?? []);
+              if (picker.current) picker.current.value = ""; // the same file again is a change
+              try {
+                for (const file of files) {
+                  await upload(`${base}?path=${encodeURIComponent(join(dir, file.name))}`, file);
+                }
+              } finally {
+                list.reload(); // the ones sent before a failure are there
               }
-              if (picker.current) picker.current.value = "";
-              list.reload();
             })}
           />
         </label>
         <button
           type="button"
+          disabled={rootsOnly}
           onClick={() => {
             const name = prompt("New folder name");
             if (name) action.run(async () => {
@@ -67,7 +82,8 @@ export function Files(props: { name: string }) {
           New folder
         </button>
       </form>
-      <Problem error={action.error ?? list.error} />
+      <Problem error={uploads.error ?? action.error ?? (rootsOnly ? null : list.error)} />
+      {rootsOnly && <p class="hint">This sandbox's files are under /workspace and /tmp.</p>}
       <table data-testid="files">
         <thead>
           <tr>
@@ -94,7 +110,7 @@ export function Files(props: { name: string }) {
               </td>
               <td>{when(f.mtime)}</td>
               <td>
-                {f.type === "file" && (
+                {!rootsOnly && f.type === "file" && (
                   <button
                     onClick={() => action.run(async () => {
                       const blob = await download(`${base}?path=${encodeURIComponent(f.path)}`);
@@ -108,7 +124,7 @@ export function Files(props: { name: string }) {
                     Download
                   </button>
                 )}{" "}
-                <button
+                {!rootsOnly && <button
                   class="danger"
                   onClick={() => {
                     if (confirm(`Delete ${f.path}?`)) action.run(async () => {
@@ -118,11 +134,11 @@ export function Files(props: { name: string }) {
                   }}
                 >
                   Delete
-                </button>
+                </button>}
               </td>
             </tr>
           ))}
-          {list.data && entries.length === 0 && (
+          {list.data && !rootsOnly && entries.length === 0 && (
             <tr>
               <td colSpan={5} class="empty">Empty folder.</td>
             </tr>

@@ -72,8 +72,19 @@ export function Jobs(props: { name: string }) {
   );
 }
 
+const ENDED = ["succeeded", "failed"];
+
 function JobOutput(props: { id: string }) {
-  const job = usePoll(() => get<ExecJob>(`/api/v1/exec-jobs/${props.id}`), 2000, [props.id]);
+  const [ended, setEnded] = useState(false);
+  const job = usePoll(
+    async () => {
+      const got = await get<ExecJob>(`/api/v1/exec-jobs/${props.id}`);
+      if (got.finished_at || ENDED.includes(got.state)) setEnded(true);
+      return got;
+    },
+    ended ? 0 : 2000, // an ended job changes no more
+    [props.id, ended],
+  );
   const j = job.data;
   return (
     <div class="logs">
@@ -81,9 +92,12 @@ function JobOutput(props: { id: string }) {
         Job {props.id} {j && <span class="hint">— {j.state}{j.error ? `: ${j.error}` : ""}</span>}
       </h3>
       <Problem error={job.error} />
+      {j && !ended && <p class="hint">Its output comes when it ends.</p>}
       <pre>
         <span class="stdout">{j?.stdout}</span>
+        {j?.stdout_truncated && <span class="note">[stdout truncated]{"\n"}</span>}
         <span class="stderr">{j?.stderr}</span>
+        {j?.stderr_truncated && <span class="note">[stderr truncated]{"\n"}</span>}
       </pre>
     </div>
   );

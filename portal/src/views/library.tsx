@@ -42,10 +42,12 @@ export function Templates() {
               <td>
                 <button
                   class="danger"
-                  onClick={() => action.run(async () => {
-                    await del(`/api/v1/templates/${encodeURIComponent(t.name)}`);
-                    list.reload();
-                  })}
+                  onClick={() => {
+                    if (confirm(`Delete the template ${t.name}?`)) action.run(async () => {
+                      await del(`/api/v1/templates/${encodeURIComponent(t.name)}`);
+                      list.reload();
+                    });
+                  }}
                 >
                   Delete
                 </button>
@@ -86,6 +88,7 @@ export function Workspaces() {
           action.run(async () => {
             await post("/api/v1/workspaces", { name, ...(quota ? { quota_mb: Number(quota) } : {}) });
             setName("");
+            setQuota("");
             list.reload();
           });
         }}
@@ -129,16 +132,24 @@ export function Workspaces() {
               <td>
                 <button
                   class="danger"
-                  onClick={() => action.run(async () => {
-                    await del(`/api/v1/workspaces/${encodeURIComponent(w.name)}`);
-                    list.reload();
-                  })}
+                  onClick={() => {
+                    if (confirm(`Delete the workspace ${w.name} and its history?`)) action.run(async () => {
+                      await del(`/api/v1/workspaces/${encodeURIComponent(w.name)}`);
+                      if (open === w.name) setOpen(null);
+                      list.reload();
+                    });
+                  }}
                 >
                   Delete
                 </button>
               </td>
             </tr>
           ))}
+          {list.data?.workspaces.length === 0 && (
+            <tr>
+              <td colSpan={6} class="empty">No workspaces yet: a sandbox mounts one by name.</td>
+            </tr>
+          )}
         </tbody>
       </table>
       {open && <History name={open} key={open} />}

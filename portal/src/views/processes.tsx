@@ -45,7 +45,7 @@ export function Processes(props: { name: string }) {
           </tr>
         </thead>
         <tbody>
-          {list.data?.processes.map((p) => (
+          {[...(list.data?.processes ?? [])].sort((a, b) => b.pid - a.pid).map((p) => (
             <tr key={p.pid}>
               <td>{p.pid}</td>
               <td>
@@ -85,6 +85,16 @@ function Logs(props: { base: string; pid: number }) {
   const end = useRef<HTMLPreElement>(null);
   useEffect(() => {
     const abort = new AbortController();
+    // bytes, as UTF-8 (bad bytes as U+FFFD), one decoder a stream: a character split across
+    // two chunks stays whole
+    const decoders: Record<string, TextDecoder> = {};
+    const decode = (name: string, body: { data: string; encoding?: string }) => {
+      const bytes = body.encoding === "base64"
+        ? Uint8Array.from(atob(body.data), (c) => c.charCodeAt(0))
+        : new TextEncoder().encode(body.data);
+      decoders[name] ??= new TextDecoder();
+      return decoders[name].decode(bytes, { stream: true });
+    };
     stream(
       `${props.base}/${props.pid}/stream?offset=0`,
       (event) => {
@@ -92,8 +102,8 @@ function Logs(props: { base: string; pid: number }) {
         if (event.event === "exit") setEnded(`exited (${body.exit_code})`);
         else if (event.event === "dropped") setLines((l) => [...l, { stream: "note", text: `[${body.bytes} bytes dropped]\n` }]);
         else {
-          const text = body.encoding === "base64" ? atob(body.data) : body.data;
-          setLines((l) => [...l.slice(-2000), { stream: event.event, text }]);
+          const text = decode(event.event, body);
+          if (text) setLines((l) => [...l.slice(-2000), { stream: event.event, text }]);
         }
       },
       abort.signal,

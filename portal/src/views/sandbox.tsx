@@ -1,5 +1,5 @@
 import { useState } from "preact/hooks";
-import { del, get, post, sandboxPath, type Sandbox as SandboxInfo } from "../api";
+import { ApiError, del, get, post, sandboxPath, type Sandbox as SandboxInfo } from "../api";
 import { navigate } from "../router";
 import { Link, Problem, useAction, usePoll, when } from "../ui";
 import { Files } from "./files";
@@ -20,14 +20,21 @@ export function Sandbox(props: { name: string; tab: string }) {
         <Link to="/">Sandboxes</Link> / <span data-testid="sandbox-name">{props.name}</span>{" "}
         {info.data && <span class={`state ${info.data.state}`}>{info.data.state}</span>}
       </h2>
-      <nav class="tabs">
-        {TABS.map((t) => (
-          <Link to={`/sandboxes/${props.name}/${t}`}>
-            <span class={t === tab ? "tab active" : "tab"}>{t}</span>
-          </Link>
-        ))}
-      </nav>
+      {info.data && (
+        <nav class="tabs">
+          {TABS.map((t) => (
+            <Link to={`/sandboxes/${props.name}/${t}`}>
+              <span class={t === tab ? "tab active" : "tab"}>{t}</span>
+            </Link>
+          ))}
+        </nav>
+      )}
       <Problem error={info.error} />
+      {!info.data && info.error instanceof ApiError && info.error.status === 404 && (
+        <p class="hint">
+          It was deleted, or it is another tenant's. <Link to="/">All sandboxes</Link>
+        </p>
+      )}
       {tab === "overview" && info.data && <Overview sandbox={info.data} onChange={info.reload} />}
       {tab !== "overview" && info.data && !running && (
         <p class="hint">The sandbox is {info.data.state}: this needs it running.</p>
@@ -43,6 +50,7 @@ export function Sandbox(props: { name: string; tab: string }) {
 function Overview(props: { sandbox: SandboxInfo; onChange: () => void }) {
   const s = props.sandbox;
   const [seconds, setSeconds] = useState("600");
+  const [extended, setExtended] = useState<string | null>(null);
   const action = useAction();
   const rows: [string, string][] = [
     ["Template", s.template],
@@ -70,8 +78,10 @@ function Overview(props: { sandbox: SandboxInfo; onChange: () => void }) {
         class="inline"
         onSubmit={(e) => {
           e.preventDefault();
+          setExtended(null);
           action.run(async () => {
-            await post(`${sandboxPath(s.name)}/timeout`, { timeout: Number(seconds) });
+            const got = await post<SandboxInfo>(`${sandboxPath(s.name)}/timeout`, { timeout: Number(seconds) });
+            setExtended(got.expires_at);
             props.onChange();
           });
         }}
@@ -81,6 +91,7 @@ function Overview(props: { sandbox: SandboxInfo; onChange: () => void }) {
           <input
             type="number"
             min="1"
+            required
             value={seconds}
             onInput={(e) => setSeconds((e.target as HTMLInputElement).value)}
           />
@@ -93,14 +104,17 @@ function Overview(props: { sandbox: SandboxInfo; onChange: () => void }) {
           class="danger"
           data-testid="delete-sandbox"
           disabled={action.busy}
-          onClick={() => action.run(async () => {
-            await del(sandboxPath(s.name));
-            navigate("/");
-          })}
+          onClick={() => {
+            if (confirm(`Delete ${s.name}? Its files go with it.`)) action.run(async () => {
+              await del(sandboxPath(s.name));
+              navigate("/");
+            });
+          }}
         >
           Delete sandbox
         </button>
       </form>
+      {extended && !action.error && <p class="hint">Extended: it now expires {when(extended)}.</p>}
       <Problem error={action.error} />
     </div>
   );

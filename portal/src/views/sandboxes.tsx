@@ -55,7 +55,7 @@ export function Sandboxes() {
           </select>
         </label>
         <label>
-          Metadata{" "}
+          Metadata filter{" "}
           <input
             placeholder="agent=demo, run=7"
             value={filter}
@@ -95,10 +95,12 @@ export function Sandboxes() {
                 <button
                   class="danger"
                   disabled={remove.busy}
-                  onClick={() => remove.run(async () => {
-                    await del(sandboxPath(s.name));
-                    list.reload();
-                  })}
+                  onClick={() => {
+                    if (confirm(`Delete ${s.name}? Its files go with it.`)) remove.run(async () => {
+                      await del(sandboxPath(s.name));
+                      list.reload();
+                    });
+                  }}
                 >
                   Delete
                 </button>

@@ -49,6 +49,8 @@ def install(app: FastAPI, static: Path = STATIC) -> None:
     async def home(_request: Request) -> Response:
         return RedirectResponse(f"{PREFIX}/", status_code=307)
 
-    app.add_api_route("/", home, methods=["GET"], include_in_schema=False)
-    app.add_api_route(PREFIX, page, methods=["GET"], include_in_schema=False)
-    app.add_api_route(PREFIX + "/{path:path}", page, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/", home, methods=["GET", "HEAD"], include_in_schema=False)
+    app.add_api_route(PREFIX, page, methods=["GET", "HEAD"], include_in_schema=False)
+    app.add_api_route(
+        PREFIX + "/{path:path}", page, methods=["GET", "HEAD"], include_in_schema=False
+    )

@@ -28,6 +28,8 @@ def test_every_path_under_ui_answers_the_page_and_its_assets_are_served(
             assert page.headers["content-type"].startswith("text/html"), path
             assert page.headers["cache-control"] == "no-cache"
             assert '<div id="app">' in page.text
+        head = client.head("/ui/sandboxes")  # uptime checks and curl -I
+        assert head.status_code == 200 and head.headers["content-type"].startswith("text/html")
         assets = re.findall(r'(?:src|href)="(/ui/assets/[^"]+)"', client.get("/ui/").text)
         assert any(a.endswith(".js") for a in assets) and any(a.endswith(".css") for a in assets)
         for asset in assets:

@@ -98,6 +98,8 @@ def test_a_tenant_runs_a_sandbox_from_the_browser(
     name = page.get_by_test_id("sandbox-name").inner_text()
     expect(page.locator("h2 .state")).to_have_text("running")
     expect(page.get_by_test_id("overview")).to_contain_text("made=browser")
+    page.get_by_role("button", name="Extend").click()
+    expect(page.get_by_text("Extended: it now expires")).to_be_visible()
     shot(page, "02-created")
 
     page.get_by_role("link", name="terminal").click()
@@ -109,11 +111,13 @@ def test_a_tenant_runs_a_sandbox_from_the_browser(
 
     page.get_by_role("link", name="processes").click()
     page.get_by_placeholder("a command, run by bash", exact=False).fill(
-        "for i in 1 2 3; do echo tick-$i; sleep 0.3; done; read line; echo got-$line"
+        r"printf 'caf\xc3\xa9 \xff\n';"  # UTF-8 and a byte that is not: sent as base64
+        " for i in 1 2 3; do echo tick-$i; sleep 0.3; done; read line; echo got-$line"
     )
     page.get_by_role("button", name="Start").click()
     output = page.get_by_test_id("process-output")
     expect(output).to_contain_text("tick-3")  # streamed while the process runs
+    expect(output).to_contain_text("café \ufffd")  # decoded as UTF-8, not as Latin-1
     page.get_by_placeholder("a line to its stdin").fill("typed")
     page.get_by_role("button", name="Send").click()
     expect(output).to_contain_text("got-typed")
@@ -134,6 +138,10 @@ def test_a_tenant_runs_a_sandbox_from_the_browser(
     page.get_by_test_id("upload").set_input_files(str(upload))
     expect(page.locator('tr[data-file="from-the-browser.txt"]')).to_be_visible()
     shot(page, "06-files")
+    page.get_by_role("button", name="Up").click()  # "/" is not this sandbox's: its roots
+    expect(page.get_by_text("This sandbox's files are under /workspace and /tmp.")).to_be_visible()
+    page.get_by_role("link", name="workspace/").click()
+    expect(page.locator('tr[data-file="from-the-browser.txt"]')).to_be_visible()
     with deployment.client("alpha") as api:
         got = api.get(
             f"/api/v1/sandboxes/{name}/toolbox/files",
@@ -145,10 +153,14 @@ def test_a_tenant_runs_a_sandbox_from_the_browser(
     expect(page.get_by_test_id("files")).to_be_visible()
 
     page.get_by_role("link", name="overview").click()
+    page.once("dialog", lambda dialog: dialog.accept())  # "Delete sbx-…?"
     page.get_by_test_id("delete-sandbox").click()
     page.wait_for_url(re.compile(r"/ui/$"))
     expect(page.locator(f'tr[data-sandbox="{name}"]')).to_have_count(0)
     shot(page, "07-deleted")
+    page.goto(f"{deployment.url}/ui/sandboxes/{name}")  # no stale "running" for a gone one
+    expect(page.get_by_text("It was deleted, or it is another tenant's.")).to_be_visible()
+    expect(page.locator("nav.tabs")).to_have_count(0)
     with deployment.client("alpha") as api:
         gone = api.get(f"/api/v1/sandboxes/{name}")
         assert gone.status_code == 404 or gone.json()["state"] == "deleted", gone.text
@@ -161,6 +173,8 @@ def test_a_tenant_runs_a_sandbox_from_the_browser(
 def test_an_admin_sees_the_workers_the_queue_and_the_state(
     deployment: Deployment, page: Page
 ) -> None:
+    failed: list[str] = []
+    page.on("response", lambda r: failed.append(r.url) if r.status >= 400 else None)
     sign_in(page, deployment.url, deployment.admin_key, lands_on="Workers")
     assert page.get_by_role("link", name="Sandboxes").count() == 0  # an admin key runs none
     page.get_by_role("link", name="Admin").click()
@@ -168,6 +182,7 @@ def test_an_admin_sees_the_workers_the_queue_and_the_state(
     expect(page.get_by_test_id("admission")).to_contain_text("closed")
     expect(page.get_by_test_id("state")).to_contain_text("ServerLocalState.tunnels")
     shot(page, "08-admin")
+    assert failed == [], failed  # no tenant's page was tried with the admin key first
 
 
 def test_a_tenant_key_sees_no_admin_view(deployment: Deployment, page: Page) -> None:
