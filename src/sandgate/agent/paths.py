@@ -80,8 +80,12 @@ def resolve(roots: Roots, value: Any, *, follow: bool = False, name: str = "path
             return Target(spath, rroot, rroot, True)
         if sroot == "/" or spath.startswith(sroot + "/"):  # "/": a template sandbox's root
             break
-    else:
-        raise outside(value)
+    else:  # in none of the roots: say which there are
+        places = " or ".join(sroot for sroot, _ in roots)
+        raise AgentError(
+            "path_outside_sandbox",
+            f"{value!r} is outside the sandbox's filesystem: use a path under {places}",
+        )
     real = posixpath.join(rroot, spath[len(sroot) :].lstrip("/"))
     parent = os.path.realpath(posixpath.dirname(real))
     if not inside(parent, rroot):

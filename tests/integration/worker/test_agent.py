@@ -636,6 +636,8 @@ def test_move(agent: Agent) -> None:
     assert (agent.tmp / "moved").is_dir()
     assert agent.error("move", src="missing", dst="x") == "not_found"
     assert agent.error("move", src="b.txt", dst="/etc/b.txt") == "path_outside_sandbox"
+    header, _ = agent.call("list", path="/nope")
+    assert header["error"]["message"].endswith("use a path under /workspace or /tmp"), header
     assert agent.error("move", src="/workspace", dst="/tmp/ws") == "invalid_request"
     assert agent.error("move", src="b.txt", dst="/tmp") == "invalid_request"
     assert agent.error("move", src="b.txt", dst="no/such/dir/b.txt") == "not_found"
