@@ -22,6 +22,8 @@ class Stack:
     key: str  # a tenant's
     admin: str  # an admin key (public templates)
     work: Path  # a scratch directory, removed after
+    server_pid: int = 0
+    worker_pid: int = 0
 
 
 def sandgate(*args: str) -> str:
@@ -67,7 +69,7 @@ def running(*worker_args: str, capacity: int = 16) -> Iterator[Stack]:
     )
     try:
         launch.wait_worker(url, key, proc=worker, log=log, interval=0.1, what="the worker")
-        yield Stack(url, key, admin, work)
+        yield Stack(url, key, admin, work, server.pid, worker.pid)
     finally:
         for proc in (worker, server):
             proc.send_signal(signal.SIGTERM)

@@ -1,0 +1,135 @@
+"""Create and execute as one worker fills up: N = 10, 100, 500, 1,000 sandboxes held.
+
+    .venv/bin/python bench/scale.py [--steps 10,100,500,1000] [--m 30] [--memory-mb 32]
+
+Starts a sandgate server (SQLite) and one bwrap worker (bench/stack.py) with room for the
+largest N (`--capacity`, memory and disk overcommitted: the sandboxes are idle), then at each
+step fills the worker up to N sandboxes (`memory_mb` small, made 4 at a time, not measured)
+and measures with N held:
+
+- create-to-running of `--m` more sandboxes, one at a time, each deleted after (outside the
+  timing), so N stays N;
+- `execute` of `echo ok` on a held sandbox, 3 `--m` times;
+- `GET /api/v1/sandboxes?limit=100` (one page of the tenant's list), `--m` times;
+- memory: PSS of every process below the worker (sandboxes' bwrap, init and agent) / N.
+
+Prints one line per step and the ratio create p50 at the largest N over the smallest (the
+target: at most 1.15).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stack import running
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = defaultdict(list)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children[ppid].append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def pss_mib(pids: list[int]) -> float:
+    kib = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    kib += int(line.split()[1])
+        except OSError:
+            continue
+    return kib / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--steps", default="10,100,500,1000")
+    parser.add_argument("--m", type=int, default=30, help="timed operations of each kind")
+    parser.add_argument("--memory-mb", type=int, default=32)
+    args = parser.parse_args()
+    steps = [int(s) for s in args.steps.split(",")]
+    body = {"resources": {"memory_mb": args.memory_mb}, "timeout": 7200}
+    capacity = max(steps) + 50
+    worker_args = ("--memory-overcommit", "64", "--disk-overcommit", "64")
+    rows = []
+    with running(*worker_args, capacity=capacity) as stack:
+        headers = {"Authorization": f"Bearer {stack.key}"}
+        client = httpx.Client(base_url=stack.url, headers=headers, timeout=120)
+        held: list[str] = []
+
+        def create() -> str:
+            with httpx.Client(base_url=stack.url, headers=headers, timeout=120) as own:
+                made = own.post("/api/v1/sandboxes", json=body)
+                assert made.status_code == 201, made.text
+                return str(made.json()["name"])
+
+        for n in steps:
+            started = time.monotonic()
+            with ThreadPoolExecutor(4) as pool:
+                held += pool.map(lambda _: create(), range(n - len(held)))
+            fill_s = time.monotonic() - started
+            time.sleep(2.0)  # let the worker settle (heartbeats, pool refills)
+            creates = []
+            for _ in range(args.m):
+                t = time.perf_counter()
+                made = client.post("/api/v1/sandboxes", json=body)
+                creates.append((time.perf_counter() - t) * 1000)
+                assert made.status_code == 201, made.text
+                client.delete(f"/api/v1/sandboxes/{made.json()['name']}")
+            executes = []
+            target = held[len(held) // 2]
+            for _ in range(args.m * 3):
+                t = time.perf_counter()
+                ran = client.post(f"/api/v1/sandboxes/{target}/execute", json={"code": "echo ok"})
+                executes.append((time.perf_counter() - t) * 1000)
+                assert ran.json()["stdout"] == "ok\n", ran.text
+            lists = []
+            for _ in range(args.m):
+                t = time.perf_counter()
+                assert client.get("/api/v1/sandboxes", params={"limit": 100}).is_success
+                lists.append((time.perf_counter() - t) * 1000)
+            per_sandbox = pss_mib(descendants(stack.worker_pid)) / len(held)
+            rows.append((n, creates, executes, lists, per_sandbox))
+            print(
+                f"N={n:>5}  create p50 {statistics.median(creates):7.2f} ms p99 "
+                f"{pct(creates, 99):7.2f}   execute p50 {statistics.median(executes):6.2f} ms   "
+                f"list p50 {statistics.median(lists):6.2f} ms   {per_sandbox:5.2f} MiB/sandbox"
+                f"   (filled in {fill_s:.1f} s)",
+                flush=True,
+            )
+    first, last = rows[0], rows[-1]
+    ratio = statistics.median(last[1]) / statistics.median(first[1])
+    verdict = "met" if ratio <= 1.15 else "not met"
+    print(
+        f"\ncreate p50 at N={last[0]} / at N={first[0]}: {ratio:.2f}x   target <= 1.15x: {verdict}"
+    )
+
+
+if __name__ == "__main__":
+    main()
