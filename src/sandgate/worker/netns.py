@@ -41,6 +41,7 @@ import hashlib
 import ipaddress
 import json
 import logging
+import os
 import re
 import secrets
 import shutil
@@ -67,22 +68,37 @@ TRACKED_FLOWS = 4096
 DNS_PACKETS_PER_S, DNS_PACKETS_BURST = 500, 1000
 SPARE_RETRY = 5.0  # after a spare could not be made
 SPARE_DELAY = 0.5  # a spare is made this long after one was taken: not during that start
+ADOPT_WAIT = 10.0  # how long a start's process may take to enter its namespace
 
 
 @dataclass
 class SandboxNet:
     """One sandbox's namespace, and its link while its network is on."""
 
-    netns: str  # the name under /run/netns
+    netns: str  # the name under /run/netns, until a sandbox's processes hold it (`adopt`)
     slot: UidLease | None = None  # held while the link exists
     ifname: str = ""
     host_ip: str = ""
     sandbox_ip: str = ""
     connected: bool = False
+    fd: int = -1  # once adopted (`NetHost.adopt`): the worker's descriptor of the namespace
+
+    @property
+    def adopted(self) -> bool:
+        return self.fd >= 0
 
     @property
     def path(self) -> Path:
+        """A path that opens the namespace (for nsenter, and for `ip … netns PATH`)."""
+        if self.adopted:
+            return Path(f"/proc/{os.getpid()}/fd/{self.fd}")
         return NETNS_DIR / self.netns
+
+    @property
+    def ref(self) -> str:
+        """How `ip link … netns REF` names it: its path once adopted (a path with a `/` is
+        opened as the namespace), else its name."""
+        return str(self.path) if self.adopted else self.netns
 
 
 def interface_prefix(scope: str) -> str:
@@ -191,6 +207,7 @@ class NetHost:
         self.slots = UidPool(slot_lock_dir, SLOT_BASE, min(self.subnet.num_addresses // 4, 0xFFFF))
         self._ip = shutil.which("ip") or "/usr/sbin/ip"
         self._nft = shutil.which("nft") or "/usr/sbin/nft"
+        self._nsenter = shutil.which("nsenter") or "/usr/bin/nsenter"
         # connected or not -> namespaces made ahead for the next starts; their filler
         self.spares: dict[bool, list[SandboxNet]] = {False: [], True: []}
         self._wanted: asyncio.Event | None = None
@@ -302,7 +319,7 @@ class NetHost:
         try:
             await _run(self._ip, "link", "del", net.ifname, check=False)  # a stale one
             host = (
-                f"link add {net.ifname} type veth peer name {SANDBOX_IF} netns {net.netns}\n"
+                f"link add {net.ifname} type veth peer name {SANDBOX_IF} netns {net.ref}\n"
                 f"addr add {net.host_ip}/30 dev {net.ifname}\n"
             )
             await _run(self._ip, "-b", "-", stdin=host)
@@ -313,11 +330,49 @@ class NetHost:
                 f"link set {SANDBOX_IF} up\n"
                 f"route add default via {net.host_ip}\n"
             )
-            await _run(self._ip, "-n", net.netns, "-b", "-", stdin=inside)
+            await self._inside(net, "-b", "-", stdin=inside)
         except BaseException:
             await self.disconnect(net)
             raise
         net.connected = True
+
+    async def _inside(self, net: SandboxNet, *args: str, stdin: str | None = None) -> str:
+        """`ip ARGS` in the namespace: by its name, or through its sandbox's process."""
+        if net.adopted:
+            return await _run(self._nsenter, f"--net={net.path}", self._ip, *args, stdin=stdin)
+        return await _run(self._ip, "-n", net.netns, *args, stdin=stdin)
+
+    async def adopt(self, net: SandboxNet, pid: int, *, within: float = ADOPT_WAIT) -> None:
+        """Trade the namespace's name for a descriptor once process `pid` (the sandbox's
+        outermost) is inside it.
+
+        A named namespace is a bind mount in the host's mount table, which every sandbox
+        start copies (bwrap's new mount namespace) and to whose copies every `ip netns add`
+        propagates: with a name per sandbox, a start cost grew with the sandboxes held
+        (docs/benchmarks.md). The descriptor is opened through the process and checked to be
+        the same namespace (so a pid reused meanwhile cannot hand us another); it keeps the
+        namespace until `remove`. Best effort: a process that ends first or never enters
+        leaves the name, and `remove` deletes it."""
+        try:
+            want = os.stat(NETNS_DIR / net.netns).st_ino
+        except OSError:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while True:
+            try:
+                fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return  # it ended
+            if os.fstat(fd).st_ino == want:
+                break
+            os.close(fd)
+            if loop.time() > deadline:
+                log.warning("netns.adopt_timeout", extra={"netns": net.netns, "pid": pid})
+                return
+            await asyncio.sleep(0.005)
+        net.fd = fd  # from here on, everything reaches it through the descriptor
+        await _run(self._ip, "netns", "del", net.netns, check=False)
 
     async def disconnect(self, net: SandboxNet) -> None:
         """Take the link away: the namespace keeps loopback only."""
@@ -330,6 +385,10 @@ class NetHost:
 
     async def remove(self, net: SandboxNet) -> None:
         await self.disconnect(net)
+        if net.adopted:  # no name left: the namespace ends with its last descriptor
+            fd, net.fd = net.fd, -1
+            os.close(fd)
+            return
         with contextlib.suppress(WorkerError):
             await _run(self._ip, "netns", "del", net.netns, check=False)
 

@@ -446,18 +446,22 @@ def test_a_crashed_workers_namespaces_and_links_are_removed_at_its_next_start(
     spec = SandboxSpec(name=uniq("c"), network=parse_policy(True))
     sandbox = loop.run(first.start(spec, argv=["/bin/sleep", "60"]))
     net = sandbox.private["net"]
-    assert net.path.exists()
-    # the worker dies: its gate and spare-maker stop, nothing is torn down
+    # the sandbox's namespace is held by a descriptor, not a name (a mount of the host's)
+    assert net.adopted and net.path.exists()
+    assert not (Path("/run/netns") / net.netns).exists()
+    # the worker dies: its gate and spare-maker stop, nothing is torn down, and its
+    # descriptors close with it
     loop.run(first.gate.close())
     filler = first.net._filler
     assert filler is not None
     loop.loop.call_soon_threadsafe(filler.cancel)
     sandbox.process.kill()
     loop.run(sandbox.process.wait())
+    os.close(net.fd)
+    net.fd = -1
     second = env.runtime(worker, egress=config)
     loop.run(second.prepare())
     try:
-        assert not net.path.exists()
         links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
         assert net.ifname not in links
         assert second.net is not None

@@ -497,6 +497,9 @@ class BwrapRuntime:
                 limit=PIPE_LIMIT,
             )
             widen_pipes(process)
+            if net is not None and self.net is not None:
+                # its processes hold the namespace from now on, not a name (a mount)
+                await self.net.adopt(net, process.pid)
         except BaseException as exc:
             if cg is not None:
                 await cg.kill_all(wait_s=2.0)
