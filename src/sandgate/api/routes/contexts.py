@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Response
@@ -115,7 +115,7 @@ async def _stream(
 
 async def keep_alive(
     events: AsyncIterator[dict[str, Any]], every: float
-) -> AsyncIterator[dict[str, Any] | None]:
+) -> AsyncGenerator[dict[str, Any] | None, None]:
     """`events`, with None whenever `every` seconds pass without one (the wait for the
     event goes on: it is never cancelled for the beat)."""
     while True:
