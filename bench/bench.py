@@ -37,6 +37,9 @@ import httpx
 
 from sandgate.cli import launch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stack import pss_kib
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -118,15 +121,8 @@ def pss_of_sandboxes(state_dir: Path, worker: str) -> tuple[float, int] | None:
     """Mean PSS (MiB) of the processes of each sandbox, read from its cgroup."""
     totals = []
     for group in Path("/sys/fs/cgroup/pids").glob(f"**/sandgate/{worker}-*/sbx-*"):
-        kib = 0
-        for pid in (group / "cgroup.procs").read_text().split():
-            try:
-                for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                    if line.startswith("Pss:"):
-                        kib += int(line.split()[1])
-            except OSError:
-                continue
-        totals.append(kib / 1024)
+        pids = (group / "cgroup.procs").read_text().split()
+        totals.append(sum(pss_kib(int(pid)) for pid in pids) / 1024)
     return (statistics.mean(totals), len(totals)) if totals else None
 
 
@@ -175,13 +171,7 @@ def pss_of_sandbox(name: str) -> float | None:
     found = False
     for group in Path("/sys/fs/cgroup/pids").glob(f"**/sandgate/*/{name}"):
         found = True
-        for pid in (group / "cgroup.procs").read_text().split():
-            try:
-                for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                    if line.startswith("Pss:"):
-                        kib += int(line.split()[1])
-            except OSError:
-                continue
+        kib += sum(pss_kib(int(pid)) for pid in (group / "cgroup.procs").read_text().split())
     return kib / 1024 if found else None
 
 

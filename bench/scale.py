@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stack import running
+from stack import pss_kib, running
 
 
 def pct(values: list[float], p: float) -> float:
@@ -56,15 +56,7 @@ def descendants(root: int) -> list[int]:
 
 
 def pss_mib(pids: list[int]) -> float:
-    kib = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    kib += int(line.split()[1])
-        except OSError:
-            continue
-    return kib / 1024
+    return sum(pss_kib(pid) for pid in pids) / 1024
 
 
 def main() -> None:

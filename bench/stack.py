@@ -33,6 +33,17 @@ def sandgate(*args: str) -> str:
     ).stdout.strip()
 
 
+def pss_kib(pid: int) -> int:
+    """The proportional set size of one process, in KiB (0 if it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def free_port() -> int:
     import socket
 

@@ -79,16 +79,48 @@ export function usePoll<T>(load: () => Promise<T>, every: number, deps: unknown[
 export function useAction() {
   const [busy, setBusy] = useState(false);
   const [error, setError] = useState<unknown>(null);
-  const run = async (action: () => Promise<unknown>) => {
+  const run = async (action: () => Promise<unknown>): Promise<boolean> => {
     setBusy(true);
     setError(null);
     try {
       await action();
+      return true;
     } catch (e) {
       setError(e);
+      return false;
     } finally {
       setBusy(false);
     }
   };
   return { busy, error, run, clear: () => setError(null) };
+}
+
+// one line to type a command and a button to send it; cleared once `send` succeeded
+export function CommandForm(props: {
+  placeholder: string;
+  button: string;
+  busy: boolean;
+  send: (command: string) => Promise<boolean>;
+}) {
+  const [command, setCommand] = useState("");
+  return (
+    <form
+      class="inline"
+      onSubmit={async (e) => {
+        e.preventDefault();
+        if (await props.send(command)) setCommand("");
+      }}
+    >
+      <input
+        class="wide"
+        placeholder={props.placeholder}
+        value={command}
+        onInput={(e) => setCommand((e.target as HTMLInputElement).value)}
+        required
+      />
+      <button type="submit" disabled={props.busy}>
+        {props.button}
+      </button>
+    </form>
+  );
 }

@@ -1,6 +1,6 @@
 import { useState } from "preact/hooks";
 import { get, post, sandboxPath, type ExecJob } from "../api";
-import { Problem, useAction, usePoll, when } from "../ui";
+import { CommandForm, Problem, useAction, usePoll, when } from "../ui";
 
 // Exec jobs: commands that run to the end on their own, their output kept after they finish.
 export function Jobs(props: { name: string }) {
@@ -9,34 +9,22 @@ export function Jobs(props: { name: string }) {
     2000,
     [props.name],
   );
-  const [command, setCommand] = useState("");
   const [open, setOpen] = useState<string | null>(null);
   const action = useAction();
   return (
     <div>
-      <form
-        class="inline"
-        onSubmit={(e) => {
-          e.preventDefault();
+      <CommandForm
+        placeholder="a command to run as a job, e.g. make test"
+        button="Submit job"
+        busy={action.busy}
+        send={(command) =>
           action.run(async () => {
             const job = await post<ExecJob>(`${sandboxPath(props.name)}/exec-jobs`, { command });
-            setCommand("");
             setOpen(job.id);
             list.reload();
-          });
-        }}
-      >
-        <input
-          class="wide"
-          placeholder="a command to run as a job, e.g. make test"
-          value={command}
-          onInput={(e) => setCommand((e.target as HTMLInputElement).value)}
-          required
-        />
-        <button type="submit" disabled={action.busy}>
-          Submit job
-        </button>
-      </form>
+          })
+        }
+      />
       <Problem error={action.error ?? list.error} />
       <table>
         <thead>

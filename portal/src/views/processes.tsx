@@ -1,38 +1,26 @@
 import { useEffect, useRef, useState } from "preact/hooks";
 import { get, post, sandboxPath, send, stream, type Process } from "../api";
-import { Problem, useAction, usePoll, when } from "../ui";
+import { CommandForm, Problem, useAction, usePoll, when } from "../ui";
 
 export function Processes(props: { name: string }) {
   const base = `${sandboxPath(props.name)}/toolbox/processes`;
   const list = usePoll(() => get<{ processes: Process[] }>(base), 3000, [props.name]);
-  const [command, setCommand] = useState("");
   const [open, setOpen] = useState<number | null>(null);
   const action = useAction();
   return (
     <div>
-      <form
-        class="inline"
-        onSubmit={(e) => {
-          e.preventDefault();
+      <CommandForm
+        placeholder="a command, run by bash, e.g. python3 -m http.server 8000"
+        button="Start"
+        busy={action.busy}
+        send={(command) =>
           action.run(async () => {
             const started = await post<Process>(base, { command });
-            setCommand("");
             setOpen(started.pid);
             list.reload();
-          });
-        }}
-      >
-        <input
-          class="wide"
-          placeholder="a command, run by bash, e.g. python3 -m http.server 8000"
-          value={command}
-          onInput={(e) => setCommand((e.target as HTMLInputElement).value)}
-          required
-        />
-        <button type="submit" disabled={action.busy}>
-          Start
-        </button>
-      </form>
+          })
+        }
+      />
       <Problem error={action.error ?? list.error} />
       <table>
         <thead>
