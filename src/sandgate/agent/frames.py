@@ -39,13 +39,20 @@ def encode(header: Header, payload: bytes = b"") -> bytes:
     return PREFIX.pack(len(raw), len(payload)) + raw + payload
 
 
+def lengths(prefix: bytes) -> tuple[int, int]:
+    """The header and payload lengths a frame's prefix (its first PREFIX.size bytes) gives,
+    within their bounds (FrameError otherwise)."""
+    hlen, plen = PREFIX.unpack_from(prefix)
+    if hlen > MAX_HEADER_BYTES or plen > MAX_PAYLOAD_BYTES:
+        raise FrameError("frame length prefix out of bounds")
+    return hlen, plen
+
+
 def decode(frame: bytes) -> tuple[Header, bytes]:
     """Decode exactly one frame (a whole WebSocket message)."""
     if len(frame) < PREFIX.size:
         raise FrameError("frame shorter than its length prefix")
-    hlen, plen = PREFIX.unpack_from(frame)
-    if hlen > MAX_HEADER_BYTES or plen > MAX_PAYLOAD_BYTES:
-        raise FrameError("frame length prefix out of bounds")
+    hlen, plen = lengths(frame)
     if len(frame) != PREFIX.size + hlen + plen:
         raise FrameError("frame length does not match its prefix")
     header = parse_header(frame[PREFIX.size : PREFIX.size + hlen])
@@ -57,9 +64,7 @@ def read_frame(stream: BinaryIO) -> tuple[Header, bytes] | None:
     prefix = _read_exact(stream, PREFIX.size)
     if prefix is None:
         return None
-    hlen, plen = PREFIX.unpack(prefix)
-    if hlen > MAX_HEADER_BYTES or plen > MAX_PAYLOAD_BYTES:
-        raise FrameError("frame length prefix out of bounds")
+    hlen, plen = lengths(prefix)
     body = _read_exact(stream, hlen + plen)
     if body is None:
         raise FrameError("stream ended inside a frame")

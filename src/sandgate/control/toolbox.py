@@ -180,13 +180,9 @@ class Toolbox:
         one call (`open_write` with `commit`): one round trip instead of three."""
         sandbox = await self.sandboxes.running(tenant, name)
         _refuse_past_the_quota(sandbox, declared_size)
+        pieces = _at_most(data, max_bytes)
         pending = bytearray()
-        total = 0
-        pieces = aiter(data)
         async for piece in pieces:
-            total += len(piece)
-            if total > max_bytes:
-                raise PayloadTooLargeError(f"upload over {max_bytes} bytes; split the file")
             pending += piece
             if len(pending) > chunk_bytes:
                 break
@@ -199,15 +195,14 @@ class Toolbox:
                 return opened.entry
             if opened.handle is None:
                 raise WorkerError("the agent answered open_write with neither handle nor entry")
-            # an agent without one-call writes opened a handle: write through it
+            # an agent without one-call writes opened a handle: write through it (the body
+            # is all in `pending`, `pieces` has no more)
             return await self._write_through(
-                tenant, name, opened.handle, pending, None, total, max_bytes, chunk_bytes
+                tenant, name, opened.handle, pending, pieces, chunk_bytes
             )
         raw, _ = await self.agent_call(tenant, name, "open_write", {"path": path})
         handle = parse(HandleReply, raw).handle
-        return await self._write_through(
-            tenant, name, handle, pending, pieces, total, max_bytes, chunk_bytes
-        )
+        return await self._write_through(tenant, name, handle, pending, pieces, chunk_bytes)
 
     async def _write_through(
         self,
@@ -215,26 +210,21 @@ class Toolbox:
         name: str,
         handle: int | str,
         pending: bytearray,
-        rest: AsyncIterator[bytes] | None,
-        total: int,
-        max_bytes: int,
+        rest: AsyncIterator[bytes],
         chunk_bytes: int,
     ) -> Entry:
-        """Write `pending` then the `rest` of the body through an open handle, commit it."""
+        """Write `pending` then the `rest` of the body through an open handle, a chunk per
+        call, and commit it; discarded on any failure."""
         committed = False
         try:
-            while len(pending) >= chunk_bytes:
-                await self._write(tenant, name, handle, bytes(pending[:chunk_bytes]))
-                del pending[:chunk_bytes]
-            if rest is not None:
-                async for piece in rest:
-                    total += len(piece)
-                    if total > max_bytes:
-                        raise PayloadTooLargeError(f"upload over {max_bytes} bytes; split the file")
-                    pending += piece
-                    while len(pending) >= chunk_bytes:
-                        await self._write(tenant, name, handle, bytes(pending[:chunk_bytes]))
-                        del pending[:chunk_bytes]
+            while True:
+                while len(pending) >= chunk_bytes:
+                    await self._write(tenant, name, handle, bytes(pending[:chunk_bytes]))
+                    del pending[:chunk_bytes]
+                piece = await anext(rest, None)
+                if piece is None:
+                    break
+                pending += piece
             if pending:
                 await self._write(tenant, name, handle, bytes(pending))
             raw, _ = await self.agent_call(
@@ -577,6 +567,16 @@ def _page(reply: OutputReply, payload: bytes) -> OutputPage:
     if cursor > len(payload):
         raise WorkerError("the sandbox sent a malformed output answer")
     return OutputPage(chunks, reply.first_offset, reply.next_offset, reply.exited, reply.exit_code)
+
+
+async def _at_most(data: AsyncIterable[bytes], max_bytes: int) -> AsyncIterator[bytes]:
+    """The body's pieces, refused (413) as soon as they pass `max_bytes` in all."""
+    total = 0
+    async for piece in data:
+        total += len(piece)
+        if total > max_bytes:
+            raise PayloadTooLargeError(f"upload over {max_bytes} bytes; split the file")
+        yield piece
 
 
 def _refuse_past_the_quota(sandbox: Sandbox, declared: int | None) -> None:

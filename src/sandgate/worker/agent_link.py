@@ -5,14 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from sandgate.agent.frames import (
-    MAX_HEADER_BYTES,
-    MAX_PAYLOAD_BYTES,
-    PREFIX,
-    FrameError,
-    Header,
-    parse_header,
-)
+from sandgate.agent.frames import PREFIX, FrameError, Header, lengths, parse_header
 from sandgate.tunnel.rpc import RpcChannel
 
 log = logging.getLogger(__name__)
@@ -28,9 +21,7 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[Header, bytes] | Non
         if exc.partial:
             raise FrameError("stream ended inside a frame") from None
         return None
-    hlen, plen = PREFIX.unpack(prefix)
-    if hlen > MAX_HEADER_BYTES or plen > MAX_PAYLOAD_BYTES:
-        raise FrameError("frame length prefix out of bounds")
+    hlen, plen = lengths(prefix)
     try:
         header = parse_header(await reader.readexactly(hlen))
         payload = await reader.readexactly(plen) if plen else b""
