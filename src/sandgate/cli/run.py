@@ -286,7 +286,9 @@ def server(
         secret=_read_secret(secret_file),
         start_timeout=start_timeout,
         max_exec_timeout=max_exec_timeout,
-        default_exec_timeout=min(30.0, max_exec_timeout),
+        default_exec_timeout=min(
+            ServerSettings.model_fields["default_exec_timeout"].default, max_exec_timeout
+        ),
         owner_ttl=owner_ttl,
         recovery_after=recovery_after,
         recovery_interval=recovery_interval,

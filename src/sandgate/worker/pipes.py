@@ -12,7 +12,6 @@ import fcntl
 # Both are only filled while a frame passes: an idle sandbox holds no buffer.
 PIPE_LIMIT = 1 << 20
 PIPE_BYTES = 1 << 20
-F_SETPIPE_SZ = 1031
 
 
 def widen_pipes(process: asyncio.subprocess.Process) -> None:
@@ -22,4 +21,4 @@ def widen_pipes(process: asyncio.subprocess.Process) -> None:
         pipe = transport.get_extra_info("pipe") if transport is not None else None
         if pipe is not None:
             with contextlib.suppress(OSError):
-                fcntl.fcntl(pipe.fileno(), F_SETPIPE_SZ, PIPE_BYTES)
+                fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
