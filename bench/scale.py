@@ -26,11 +26,12 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stack import pss_kib, running
+from stack import Stack, pss_kib, running
 
 
 def pct(values: list[float], p: float) -> float:
@@ -59,6 +60,24 @@ def pss_mib(pids: list[int]) -> float:
     return sum(pss_kib(pid) for pid in pids) / 1024
 
 
+# memory and disk overcommitted: the sandboxes held are idle
+WORKER_ARGS = ("--memory-overcommit", "64", "--disk-overcommit", "64")
+
+
+def fill(stack: Stack, body: dict[str, Any], count: int) -> list[str]:
+    """Create `count` sandboxes of `body`, 4 at a time (not measured); their names."""
+    headers = {"Authorization": f"Bearer {stack.key}"}
+
+    def create(_: int) -> str:
+        with httpx.Client(base_url=stack.url, headers=headers, timeout=120) as own:
+            made = own.post("/api/v1/sandboxes", json=body)
+            assert made.status_code == 201, made.text
+            return str(made.json()["name"])
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(create, range(count)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--steps", default="10,100,500,1000")
@@ -68,23 +87,15 @@ def main() -> None:
     steps = [int(s) for s in args.steps.split(",")]
     body = {"resources": {"memory_mb": args.memory_mb}, "timeout": 7200}
     capacity = max(steps) + 50
-    worker_args = ("--memory-overcommit", "64", "--disk-overcommit", "64")
     rows = []
-    with running(*worker_args, capacity=capacity) as stack:
+    with running(*WORKER_ARGS, capacity=capacity) as stack:
         headers = {"Authorization": f"Bearer {stack.key}"}
         client = httpx.Client(base_url=stack.url, headers=headers, timeout=120)
         held: list[str] = []
 
-        def create() -> str:
-            with httpx.Client(base_url=stack.url, headers=headers, timeout=120) as own:
-                made = own.post("/api/v1/sandboxes", json=body)
-                assert made.status_code == 201, made.text
-                return str(made.json()["name"])
-
         for n in steps:
             started = time.monotonic()
-            with ThreadPoolExecutor(4) as pool:
-                held += pool.map(lambda _: create(), range(n - len(held)))
+            held += fill(stack, body, n - len(held))
             fill_s = time.monotonic() - started
             time.sleep(2.0)  # let the worker settle (heartbeats, pool refills)
             creates = []

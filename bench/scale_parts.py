@@ -21,13 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale import descendants
+from scale import WORKER_ARGS, descendants, fill
 from stack import running
 
 MINIMAL_BWRAP = [
@@ -96,23 +93,13 @@ def main() -> None:
     args = parser.parse_args()
     steps = [int(s) for s in args.steps.split(",")]
     body = {"resources": {"memory_mb": args.memory_mb}, "timeout": 7200}
-    worker_args = ("--memory-overcommit", "64", "--disk-overcommit", "64")
     with (
         tempfile.TemporaryDirectory(prefix="sg-parts-") as tmp,
-        running(*worker_args, capacity=max(steps) + 50) as stack,
+        running(*WORKER_ARGS, capacity=max(steps) + 50) as stack,
     ):
-        headers = {"Authorization": f"Bearer {stack.key}"}
         held = 0
-
-        def create() -> None:
-            with httpx.Client(base_url=stack.url, headers=headers, timeout=120) as own:
-                made = own.post("/api/v1/sandboxes", json=body)
-                assert made.status_code == 201, made.text
-
         for n in steps:
-            with ThreadPoolExecutor(4) as pool:
-                list(pool.map(lambda _: create(), range(n - held)))
-            held = n
+            held += len(fill(stack, body, n - held))
             time.sleep(2.0)  # let the worker settle (heartbeats, pool refills)
             groups = {
                 "sandboxes": descendants(stack.worker_pid),
