@@ -4,12 +4,16 @@
 The image is a sparse file of exactly the quota's size: the host loses at most that, however
 the sandbox writes; the inode count is fixed when it is made (`inodes_for`). Writing past
 either gives ENOSPC inside the sandbox. Mounted ``nosuid,nodev`` with ``discard``, so files
-the sandbox deletes give their blocks back to the host; ``mount -o loop`` sets the loop
-device to detach itself when the file system is unmounted.
+the sandbox deletes give their blocks back to the host; the loop device detaches itself when
+the file system is gone (`loopmount.py`, which mounts it in-process).
 
-Blocking helpers (they run `mkfs.ext4`, `mount`, `umount`): call them in a thread.
-util-linux and e2fsprogs do the loop set-up and the file system: both are on every Debian
-host, and their loop-device allocation is race-free between concurrent mounts.
+A sandbox without a template gets its disk **detached** (`create(..., detached=True)`): the
+worker holds the mount as an fd and the sandbox's own mount namespace moves it to
+`mount_point` (`loopmount.move_argv`), so the worker's mount table does not grow with the
+sandboxes it holds. A template sandbox's overlay needs its upper directory on a path: its
+disk is attached at `mount_point` in the worker's table.
+
+Blocking helpers (they run `mkfs.ext4` and mount syscalls): call them in a thread.
 """
 
 from __future__ import annotations
@@ -22,13 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandgate.errors import WorkerError
+from sandgate.worker import loopmount
 from sandgate.worker.cgroups import unescape_mountinfo
 
 log = logging.getLogger(__name__)
 
 INODES_PER_MB = 64  # 1 GiB of quota -> 65,536 files and directories
 MIN_INODES = 2048
-MOUNT_OPTIONS = "loop,nosuid,nodev,noatime,discard"
 IMAGE_NAME = "disk.img"
 MOUNT_NAME = "disk"
 
@@ -40,9 +44,19 @@ def inodes_for(disk_mb: int) -> int:
 @dataclass(frozen=True)
 class SandboxDisk:
     image: Path
-    mount_point: Path
-    workspace: Path  # host path of the sandbox's /workspace
-    tmp: Path  # host path of its /tmp
+    mount_point: Path  # where the sandbox's chain sees it (and the worker, unless detached)
+    workspace: Path  # path of the sandbox's /workspace, below mount_point
+    tmp: Path  # of its /tmp
+    mount_fd: int = -1  # a detached disk: the worker's fd of it (`release` closes it)
+
+    @property
+    def detached(self) -> bool:
+        return self.mount_fd >= 0
+
+    @property
+    def root(self) -> Path:
+        """Where the worker reaches the file system's root (statvfs, reads)."""
+        return loopmount.fd_path(self.mount_fd) if self.detached else self.mount_point
 
 
 def _run(argv: list[str], what: str) -> None:
@@ -82,30 +96,50 @@ def make_image(image: Path, *, disk_mb: int) -> None:
 
 
 def mount_image(image: Path, mount_point: Path) -> None:
-    _run(
-        ["mount", "-t", "ext4", "-o", MOUNT_OPTIONS, str(image), str(mount_point)],
-        "cannot mount the file system",
-    )
+    """Mount the file system in `image` at `mount_point`, in this mount table."""
+    mount_fd = loopmount.mount_detached(image)
+    try:
+        loopmount.attach(mount_fd, mount_point)
+    finally:
+        os.close(mount_fd)
     os.chmod(mount_point, 0o711)
 
 
-def create(sandbox_dir: Path, *, disk_mb: int, uid: int) -> SandboxDisk:
+def create(sandbox_dir: Path, *, disk_mb: int, uid: int, detached: bool = False) -> SandboxDisk:
     """Make, mount and lay out the sandbox's file system; nothing is left on failure."""
     image = sandbox_dir / IMAGE_NAME
     mount_point = sandbox_dir / MOUNT_NAME
+    mount_fd = -1
     try:
         make_image(image, disk_mb=disk_mb)
         mount_point.mkdir(mode=0o711)
-        mount_image(image, mount_point)
-        workspace, tmp = mount_point / "workspace", mount_point / "tmp"
-        for path, mode in ((workspace, 0o700), (tmp, 0o1777)):
+        if detached:
+            mount_fd = loopmount.mount_detached(image)
+            root = loopmount.fd_path(mount_fd)
+            os.chmod(root, 0o711)
+        else:
+            mount_image(image, mount_point)
+            root = mount_point
+        for name, mode in (("workspace", 0o700), ("tmp", 0o1777)):
+            path = root / name
             path.mkdir()
             os.chown(path, uid, uid)
             os.chmod(path, mode)
     except BaseException:
+        if mount_fd >= 0:
+            os.close(mount_fd)
         remove(sandbox_dir)
         raise
-    return SandboxDisk(image, mount_point, workspace, tmp)
+    return SandboxDisk(
+        image, mount_point, mount_point / "workspace", mount_point / "tmp", mount_fd=mount_fd
+    )
+
+
+def release(made: SandboxDisk) -> None:
+    """Let go of a detached disk: it ends with the sandbox's mount namespace (its processes
+    gone) and the worker's fd, and its loop device with it. Attached: `remove` unmounts it."""
+    if made.detached:
+        os.close(made.mount_fd)
 
 
 def unmount(point: Path) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hashlib
 import ipaddress
 import json
@@ -54,6 +55,10 @@ from sandgate.worker.uids import UidLease, UidPool
 
 log = logging.getLogger(__name__)
 
+_MNT_DETACH = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
+
 DEFAULT_SLOT_LOCK_DIR = Path("/run/sandgate/netslots")
 NETNS_DIR = Path("/run/netns")
 SANDBOX_IF = "eth0"
@@ -68,20 +73,19 @@ TRACKED_FLOWS = 4096
 DNS_PACKETS_PER_S, DNS_PACKETS_BURST = 500, 1000
 SPARE_RETRY = 5.0  # after a spare could not be made
 SPARE_DELAY = 0.5  # a spare is made this long after one was taken: not during that start
-ADOPT_WAIT = 10.0  # how long a start's process may take to enter its namespace
 
 
 @dataclass
 class SandboxNet:
     """One sandbox's namespace, and its link while its network is on."""
 
-    netns: str  # the name under /run/netns, until a sandbox's processes hold it (`adopt`)
+    netns: str  # the name under /run/netns, until the worker holds it by a descriptor (`hold`)
     slot: UidLease | None = None  # held while the link exists
     ifname: str = ""
     host_ip: str = ""
     sandbox_ip: str = ""
     connected: bool = False
-    fd: int = -1  # once adopted (`NetHost.adopt`): the worker's descriptor of the namespace
+    fd: int = -1  # once held (`NetHost.hold`): the worker's descriptor of the namespace
 
     @property
     def adopted(self) -> bool:
@@ -342,37 +346,28 @@ class NetHost:
             return await _run(self._nsenter, f"--net={net.path}", self._ip, *args, stdin=stdin)
         return await _run(self._ip, "-n", net.netns, *args, stdin=stdin)
 
-    async def adopt(self, net: SandboxNet, pid: int, *, within: float = ADOPT_WAIT) -> None:
-        """Trade the namespace's name for a descriptor once process `pid` (the sandbox's
-        outermost) is inside it.
+    def hold(self, net: SandboxNet) -> None:
+        """Trade the namespace's name for a descriptor, before a sandbox's chain enters it
+        through that descriptor (`SandboxNet.path`).
 
         A named namespace is a bind mount in the host's mount table, which every sandbox
         start copies (bwrap's new mount namespace) and to whose copies every `ip netns add`
         propagates: with a name per sandbox, a start cost grew with the sandboxes held
-        (docs/benchmarks.md). The descriptor is opened through the process and checked to be
-        the same namespace (so a pid reused meanwhile cannot hand us another); it keeps the
-        namespace until `remove`. Best effort: a process that ends first or never enters
-        leaves the name, and `remove` deletes it."""
-        try:
-            want = os.stat(NETNS_DIR / net.netns).st_ino
-        except OSError:
+        (docs/benchmarks.md). The name is taken away here, in-process (what `ip netns del`
+        does: a lazy unmount, then the file), so a start neither waits for its chain to
+        enter nor spawns `ip`; the descriptor keeps the namespace until `remove`."""
+        if net.adopted:
             return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within
-        while True:
-            try:
-                fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                return  # it ended
-            if os.fstat(fd).st_ino == want:
-                break
-            os.close(fd)
-            if loop.time() > deadline:
-                log.warning("netns.adopt_timeout", extra={"netns": net.netns, "pid": pid})
-                return
-            await asyncio.sleep(0.005)
+        path = NETNS_DIR / net.netns
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        if _libc.umount2(os.fsencode(path), _MNT_DETACH) < 0:
+            err = ctypes.get_errno()
+            os.close(fd)  # the chain enters it by its name, and `remove` deletes that
+            log.warning("netns.unname_failed", extra={"netns": net.netns, "errno": err})
+            return
         net.fd = fd  # from here on, everything reaches it through the descriptor
-        await _run(self._ip, "netns", "del", net.netns, check=False)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
     async def disconnect(self, net: SandboxNet) -> None:
         """Take the link away: the namespace keeps loopback only."""

@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -116,44 +117,79 @@ def test_the_inode_cap_stops_a_file_flood(rt: BwrapRuntime) -> None:
     assert got["made"] <= disk.inodes_for(64), got
 
 
-def test_a_stop_unmounts_detaches_and_deletes_the_image(rt: BwrapRuntime) -> None:
-    async def scenario() -> tuple[Path, Path, bool, str]:
+def gone_within(image: Path, seconds: float = 5.0) -> bool:
+    """Whether the image's loop device detaches itself (its last user gone) in time."""
+    deadline = time.monotonic() + seconds
+    while loops_of(image):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_the_disk_is_mounted_in_the_sandboxs_namespace_alone_and_a_stop_detaches_it(
+    rt: BwrapRuntime,
+) -> None:
+    async def scenario() -> tuple[Path, Path, str, list[Path], str]:
         sb = await rt.start(SandboxSpec(name=uniq("um")), argv=py("print('up')"))
         sandbox_dir: Path = sb.private["sandbox_dir"]
         image = sandbox_dir / disk.IMAGE_NAME
-        mounted = await asyncio.to_thread(os.path.ismount, sandbox_dir / disk.MOUNT_NAME)
-        loop = loops_of(image)
         await readline(sb)
+        with open(f"/proc/{sb.process.pid}/mountinfo") as f:
+            theirs = f.read()
+        ours = disk.mounts_below(sandbox_dir)
+        loop = loops_of(image)
         await rt.stop(sb)
-        return sandbox_dir, image, mounted, loop
+        return sandbox_dir, image, theirs, ours, loop
 
-    sandbox_dir, image, mounted, loop = asyncio.run(scenario())
-    assert mounted and loop  # it was a loop-mounted file system of its own
+    sandbox_dir, image, theirs, ours, loop = asyncio.run(scenario())
+    assert loop  # a loop-mounted file system of its own...
+    assert f" {sandbox_dir / disk.MOUNT_NAME} " in theirs, theirs
+    assert ours == []  # ...in the sandbox's mount table, not the worker's: starts copy that
     assert not sandbox_dir.exists()
+    assert gone_within(image)
+
+
+def test_a_template_sandboxs_disk_is_attached_for_its_overlay_and_unmounted_at_stop(
+    rt: BwrapRuntime,
+) -> None:
+    # the detached and the attached disk go through the same in-process mount
+    sandbox_dir = rt.sandboxes_dir / uniq("att")
+    sandbox_dir.mkdir(mode=0o711)
+    made = disk.create(sandbox_dir, disk_mb=16, uid=os.getuid())
+    try:
+        assert not made.detached and made.root == made.mount_point
+        assert disk.mounts_below(sandbox_dir) == [made.mount_point]
+        assert (made.root / "workspace").is_dir() and (made.root / "tmp").is_dir()
+    finally:
+        disk.remove(sandbox_dir)
+        sandbox_dir.rmdir()
     assert disk.mounts_below(sandbox_dir) == []
-    assert loops_of(image) == ""
+    assert gone_within(made.image)
 
 
-def test_a_restart_after_a_crash_unmounts_what_the_dead_worker_left(env: Env) -> None:
+def test_a_restart_after_a_crash_leaves_no_mount_or_loop_device(env: Env) -> None:
     first = other_runtime(env)
     asyncio.run(first.prepare())
 
-    async def start_and_abandon() -> Path:
+    async def start_and_abandon() -> tuple[Path, Path]:
         sb = await first.start(SandboxSpec(name=uniq("crash")), argv=py("print('up')"))
         await readline(sb)
-        # the worker "crashes": never stopped; its pipes close and the sandbox dies with them
+        # the worker "crashes": never stopped; its pipes close and the sandbox dies with
+        # them, and its descriptors (the detached disk's) close with it
         sb.process._transport.close()  # type: ignore[attr-defined]
         await sb.process.wait()
+        os.close(sb.private["disk"].mount_fd)
         sandbox_dir: Path = sb.private["sandbox_dir"]
-        return sandbox_dir
+        return sandbox_dir, sandbox_dir / disk.IMAGE_NAME
 
-    sandbox_dir = asyncio.run(start_and_abandon())
-    assert disk.mounts_below(first.sandboxes_dir)
+    sandbox_dir, image = asyncio.run(start_and_abandon())
     second = env.runtime(first.worker_name)
     asyncio.run(second.prepare())
     assert disk.mounts_below(first.sandboxes_dir) == []
     assert second.features()["disk_quota"] is True  # its probe is not tripped by the first's
     assert not sandbox_dir.exists()
+    assert gone_within(image)
 
 
 def test_every_process_gets_a_descriptor_limit_it_cannot_raise(rt: BwrapRuntime) -> None:

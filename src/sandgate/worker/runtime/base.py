@@ -68,7 +68,7 @@ class SandboxSpec:
 class RunningSandbox:
     spec: SandboxSpec
     process: asyncio.subprocess.Process  # stdin/stdout are the agent's frame pipes
-    workspace: Path  # host path of /workspace
+    workspace: Path  # where the worker reaches /workspace (while the sandbox runs)
     # runtime-private handles (uid lease, cgroup paths, ...) needed by stop()
     private: dict[str, Any] = field(default_factory=dict)
     # what the worker measures it by (worker/metrics.py): its leaf cgroups, one per hierarchy

@@ -27,7 +27,8 @@ filter, disk and file-table probes) is in `bwrap_host.py`; this module starts an
 sandbox.
 
 Process chain: worker -> sh (joins cgroups) -exec-> nsenter (joins the network namespace)
--exec-> prlimit -exec-> setpriv -exec-> bwrap
+-exec-> unshare (a mount namespace of its own) -exec-> sh (moves the detached disk in, see
+`disk.py`) -exec-> prlimit -exec-> setpriv -exec-> bwrap
 (outer, the `process` returned) -> bwrap's pid-1 reaper -> the agent (or a probe ``argv``).
 
 The chain starts in ``/`` with an empty environment: bwrap's pid 1 keeps the environment and
@@ -53,7 +54,7 @@ from sandgate.agent import MODULES as AGENT_MODULES
 from sandgate.agent import deployed_name
 from sandgate.core.egress_policy import NetworkPolicy
 from sandgate.errors import InvalidRequestError, NetworkUnavailableError, WorkerError
-from sandgate.worker import cgroups, disk, fds, idmap, netns, rootfs, seccomp
+from sandgate.worker import cgroups, disk, fds, idmap, loopmount, netns, rootfs, seccomp
 from sandgate.worker.cgroups import CgroupHost, SandboxCgroups
 from sandgate.worker.cleanup import remove_tree
 from sandgate.worker.egress import EgressConfig, EgressGate
@@ -220,6 +221,7 @@ class BwrapRuntime:
         self._setpriv = "/usr/bin/setpriv"
         self._prlimit = "/usr/bin/prlimit"
         self._nsenter = "/usr/bin/nsenter"
+        self._unshare = "/usr/bin/unshare"
         self._cg_host: CgroupHost | None = None
         self._limits: dict[str, bool] = {c: False for c in cgroups.LIMIT_CONTROLLERS}
         self._cgroup_kill = False
@@ -411,6 +413,7 @@ class BwrapRuntime:
         cg: SandboxCgroups | None = None
         net: netns.SandboxNet | None = None
         bound = _BoundWorkspaces()
+        made: disk.SandboxDisk | None = None
         log_fd = seccomp_fd = args_fd = -1
         try:
             if self.net is not None and self.gate is not None:
@@ -430,7 +433,11 @@ class BwrapRuntime:
             own_disk: Path | None = None
             if self._disk_problem is None:
                 made = await asyncio.to_thread(
-                    disk.create, sandbox_dir, disk_mb=spec.disk_mb, uid=uid
+                    disk.create,
+                    sandbox_dir,
+                    disk_mb=spec.disk_mb,
+                    uid=uid,
+                    detached=spec.image is None,  # a template's overlay needs a path
                 )
                 workspace, tmp, own_disk = made.workspace, made.tmp, made.mount_point
             else:
@@ -484,7 +491,16 @@ class BwrapRuntime:
                 spec, workspace, tmp, seccomp_fd, root, points, inner_uid, binds=binds
             )
             args_fd = _memfd_with(b"".join(a.encode() + b"\0" for a in args))
-            cmd = self._command(uid, args_fd, argv, nofile=self.nofile_for(spec), net=net)
+            if net is not None and self.net is not None:
+                self.net.hold(net)  # a descriptor, not a name (a mount), holds it from now on
+            cmd = self._command(
+                uid,
+                args_fd,
+                argv,
+                nofile=self.nofile_for(spec),
+                net=net,
+                own_disk=made if made is not None and made.detached else None,
+            )
             process = await asyncio.create_subprocess_exec(
                 *cgroups.join_argv(cg.procs_files, cmd),
                 stdin=asyncio.subprocess.PIPE,
@@ -497,14 +513,13 @@ class BwrapRuntime:
                 limit=PIPE_LIMIT,
             )
             widen_pipes(process)
-            if net is not None and self.net is not None:
-                # its processes hold the namespace from now on, not a name (a mount)
-                await self.net.adopt(net, process.pid)
         except BaseException as exc:
             if cg is not None:
                 await cg.kill_all(wait_s=2.0)
                 await cg.remove()
             await self._unbind_workspaces(bound)
+            if made is not None:
+                disk.release(made)
             if dir_created and not bound.targets:
                 await asyncio.to_thread(_remove_sandbox_dir, sandbox_dir)
             if lease is not None:
@@ -520,7 +535,8 @@ class BwrapRuntime:
         return RunningSandbox(
             spec=spec,
             process=process,
-            workspace=workspace,
+            # the worker's way in (a detached disk's is through its descriptor)
+            workspace=workspace if made is None else made.root / "workspace",
             private={
                 "uid": uid,
                 "lease": lease,
@@ -530,9 +546,10 @@ class BwrapRuntime:
                 "stopped": False,
                 "net": net,
                 "workspaces": bound,
+                "disk": made,
             },
             cgroup_dirs=tuple(cg.dirs),
-            disk=own_disk,
+            disk=None if made is None else made.root,
             scratch=() if own_disk is not None else (workspace,),  # /tmp: a tmpfs, in memory
             upper=None if root is None else (own_disk or sandbox_dir) / rootfs.UPPER_NAME,
         )
@@ -604,14 +621,26 @@ class BwrapRuntime:
         *,
         nofile: int,
         net: netns.SandboxNet | None = None,
+        own_disk: disk.SandboxDisk | None = None,
     ) -> list[str]:
         """prlimit sets the descriptor limit (soft and hard: the sandbox cannot raise it),
         setpriv drops to the sandbox uid, then execs bwrap, which reads its options from
         `args_fd` (so neither host `ps` nor the sandbox's /proc/1/cmdline shows host paths or
         the sandbox's environment; only `argv` is visible). With `net`, nsenter first puts the
         chain in the sandbox's network namespace (as root: the sandbox's own user namespace,
-        made by bwrap below, then holds no capability over it)."""
+        made by bwrap below, then holds no capability over it). With a detached `own_disk`,
+        the chain then gets a mount namespace of its own, private, and moves the disk into
+        it: bwrap's set-up copies that table, which does not grow with the sandboxes held."""
         enter = [] if net is None else [self._nsenter, f"--net={net.path}", "--"]
+        if own_disk is not None:
+            enter += [
+                self._unshare,
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                *loopmount.move_argv(own_disk.mount_fd, own_disk.mount_point),
+            ]
         return [
             *enter,
             self._prlimit,
@@ -765,6 +794,10 @@ class BwrapRuntime:
                 await self._unbind_workspaces(bound)
             except WorkerError as exc:
                 problems.append(exc.message)
+        made: disk.SandboxDisk | None = private.get("disk")
+        if made is not None and all_dead:
+            disk.release(made)  # its processes gone: the disk ends with this fd
+            private["disk"] = None
         sandbox_dir: Path | None = private.get("sandbox_dir")
         if sandbox_dir is not None and (bound is None or not bound.targets):
             try:
