@@ -46,3 +46,14 @@ def test_an_older_worker_without_a_budget_is_counted_by_slots_only() -> None:
     assert placement.budget_of({"runtime": "bwrap"}.get("enforces")) is None
     assert placement.sandbox_max_of(None) == {}
     assert placement.too_large({"memory_mb": 10**6}, {}) is None
+
+
+def test_every_budgeted_resource_is_a_field_of_a_workers_sandbox_spec() -> None:
+    # the worker sums a budget over its sandboxes' specs by these names (service._check_budget)
+    from dataclasses import fields
+
+    from sandgate.worker.runtime.base import SandboxSpec
+
+    spec = SandboxSpec(name="s")
+    assert set(placement.BUDGETED) <= {f.name for f in fields(SandboxSpec)}
+    assert all(spec.resources()[name] == getattr(spec, name) for name in placement.BUDGETED)

@@ -235,7 +235,8 @@ class WorkerService:
                 *(live.running.spec for live in self.state.tearing_down.values()),
                 *(live.running.spec for ready in self.state.pool.values() for live in ready),
             ]
-            used = placement.usage(s.resources() for s in held)
+            # (the budgeted names are the spec's fields: no dict per sandbox held, per create)
+            used = {name: int(sum(getattr(s, name) for s in held)) for name in placement.BUDGETED}
             if (name := placement.short_of(need, used, budget)) is not None:
                 raise NoCapacityError(
                     f"worker has {budget[name] - used[name]} of its {budget[name]} {name} left "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Final
+from typing import Any, Final
 
 from sqlalchemy import bindparam, case, delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -26,10 +26,26 @@ from sandgate.store.sql.rows import LIVE_STATES
 _GUARD_WORKER = (
     update(workers).where(workers.c.name == bindparam("b_name")).values(capacity=workers.c.capacity)
 )
-_WORKER_GRANTS = select(sandboxes.c.resources).where(
+# what a worker's live sandboxes hold, summed by the database: a create reads one row, not
+# one JSON document per sandbox held (that grew a create with the worker's sandboxes)
+_WORKER_USAGE = select(
+    func.count().label("sandboxes"),
+    *(
+        func.coalesce(func.sum(sandboxes.c.resources[name].as_float()), 0).label(name)
+        for name in placement.BUDGETED
+    ),
+).where(
     sandboxes.c.worker == bindparam("b_worker"),
     sandboxes.c.state.in_(bindparam("b_states", expanding=True)),
 )
+
+
+def _usage_of(row: Any) -> WorkerUsage:
+    return WorkerUsage(
+        int(row.sandboxes), {name: int(getattr(row, name)) for name in placement.BUDGETED}
+    )
+
+
 _COUNT_WORKER_SANDBOXES = (
     select(func.count())
     .select_from(sandboxes)
@@ -130,10 +146,10 @@ async def hold_worker_slot(
     if (await conn.execute(_GUARD_WORKER, {"b_name": worker})).rowcount != 1:
         return  # an unknown worker: delivery will fail it
     params = {"b_worker": worker, "b_states": list(LIVE_STATES)}
-    grants = [(r[0] or {}) for r in await conn.execute(_WORKER_GRANTS, params)]
-    if len(grants) >= capacity:
-        raise CapacityConflictError(f"worker {worker} hosts {len(grants)} of {capacity} already")
-    used = placement.usage(grants)
+    usage = _usage_of((await conn.execute(_WORKER_USAGE, params)).one())
+    if (held := usage.sandboxes) >= capacity:
+        raise CapacityConflictError(f"worker {worker} hosts {held} of {capacity} already")
+    used = usage.granted
     if (short := placement.short_of(sandbox.resources, used, budget)) is not None:
         raise CapacityConflictError(
             f"worker {worker} has {budget[short] - used[short]} {short} left"
@@ -173,11 +189,10 @@ class Fleet:
 
     @store_op
     async def worker_usage(self, worker: WorkerName) -> WorkerUsage:
-        found = await self._db.fetch_all(
-            _WORKER_GRANTS, {"b_worker": worker, "b_states": list(LIVE_STATES)}
+        row = await self._db.fetch_one(
+            _WORKER_USAGE, {"b_worker": worker, "b_states": list(LIVE_STATES)}
         )
-        grants = [(r[0] or {}) for r in found]
-        return WorkerUsage(len(grants), placement.usage(grants))
+        return _usage_of(row) if row is not None else WorkerUsage(0, placement.usage(()))
 
     @store_op
     async def count_live_sandboxes(self, worker: WorkerName) -> int:
