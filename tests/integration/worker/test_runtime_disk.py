@@ -135,8 +135,7 @@ def test_the_disk_is_mounted_in_the_sandboxs_namespace_alone_and_a_stop_detaches
         sandbox_dir: Path = sb.private["sandbox_dir"]
         image = sandbox_dir / disk.IMAGE_NAME
         await readline(sb)
-        with open(f"/proc/{sb.process.pid}/mountinfo") as f:
-            theirs = f.read()
+        theirs = await asyncio.to_thread(Path(f"/proc/{sb.process.pid}/mountinfo").read_text)
         ours = disk.mounts_below(sandbox_dir)
         loop = loops_of(image)
         await rt.stop(sb)
