@@ -26,17 +26,16 @@ from pathlib import Path
 from typing import Final
 
 from sandgate.errors import WorkerError
+from sandgate.worker import loopmount
 from sandgate.worker.cgroups import unescape_mountinfo
 
 # x86_64 and aarch64 share these numbers (they are from the common syscall table)
 _SYS_OPEN_TREE: Final = 428
-_SYS_MOVE_MOUNT: Final = 429
 _SYS_MOUNT_SETATTR: Final = 442
 _OPEN_TREE_CLONE: Final = 1
 _AT_FDCWD: Final = -100
 _AT_EMPTY_PATH: Final = 0x1000
 _AT_RECURSIVE: Final = 0x8000
-_MOVE_MOUNT_F_EMPTY_PATH: Final = 0x4
 _MOUNT_ATTR_IDMAP: Final = 0x00100000
 _MOUNT_ATTR_NOSUID: Final = 0x2
 _MOUNT_ATTR_NODEV: Final = 0x4
@@ -118,17 +117,7 @@ def bind(source: Path, target: Path, *, on_disk: int, seen_as: int, below: bool 
             f"cannot idmap the mount of {source} (needs Linux >= 5.12 and a file system that "
             "supports idmapped mounts)",
         )
-        _check(
-            _libc.syscall(
-                _SYS_MOVE_MOUNT,
-                tree,
-                b"",
-                _AT_FDCWD,
-                os.fsencode(target),
-                ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH),
-            ),
-            f"cannot mount {source} at {target}",
-        )
+        loopmount.attach(tree, target)
     finally:
         if tree >= 0:
             os.close(tree)

@@ -154,7 +154,8 @@ def mount_detached(image: Path) -> int:
 
 
 def attach(mount_fd: int, target: Path) -> None:
-    """Put the detached mount `mount_fd` at `target` in the caller's mount table."""
+    """Put the detached mount `mount_fd` (this module's, or an `open_tree` clone: idmap.py)
+    at `target` in the caller's mount table."""
     _check(
         _libc.syscall(
             _SYS_MOVE_MOUNT,
