@@ -1,7 +1,9 @@
 """Each sandbox's network namespace, and its one link to this worker's egress gate.
 
-Every bwrap sandbox of a worker that can (root, iproute2, nftables) runs in a network
-namespace the worker made, ``/run/netns/sandgate-<scope>-<sandbox>``. It holds only ``lo``
+Every bwrap sandbox of a worker that can (root, nftables) runs in a network namespace the
+worker made in-process (`nsthread.py`) and holds by a descriptor only: the namespace has no
+name in ``/run/netns`` (a name is a mount in the host's table, which every sandbox start
+copies), and it ends with the descriptor, so a killed worker leaves none. It holds only ``lo``
 while the sandbox's network is off. Turned on (at create or by ``PUT …/network``), the
 namespace gets one veth pair, a /30 of `subnet`: the sandbox's end ``eth0`` with a default
 route to the host's end. On the host, this worker's nftables table
@@ -29,8 +31,10 @@ worker's rules match only its own links (``iifname "sgXXXXXX*"``).
 Slots (the /30 a link gets) are leased host-wide with lock files, as uids are (`uids.py`):
 several workers on one host never hand out the same addresses.
 
-Making a namespace (~6 ms) and its link (~10 ms) takes a few `ip` processes, so the worker
-keeps `SPARES` of each kind ready (`take`), made in the background; a start takes one.
+Links, addresses and routes are set over netlink (pyroute2), from the worker's namespace and
+through a netlink socket made inside the sandbox's: no `ip` process is spawned. Making a
+namespace (~3 ms) and its link (~10 ms) is still kernel work, so the worker keeps `SPARES`
+of each kind ready (`take`), made in the background; a start takes one.
 """
 
 from __future__ import annotations
@@ -40,17 +44,21 @@ import contextlib
 import ctypes
 import hashlib
 import ipaddress
-import json
 import logging
 import os
 import re
-import secrets
 import shutil
+import socket
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from pyroute2 import AsyncIPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+
 from sandgate.core.egress_policy import DEFAULT_SANDBOX_SUBNET
 from sandgate.errors import WorkerError
+from sandgate.worker import nsthread
 from sandgate.worker.uids import UidLease, UidPool
 
 log = logging.getLogger(__name__)
@@ -62,6 +70,7 @@ _libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
 DEFAULT_SLOT_LOCK_DIR = Path("/run/sandgate/netslots")
 NETNS_DIR = Path("/run/netns")
 SANDBOX_IF = "eth0"
+LOOPBACK_INDEX = 1  # `lo` is the first link of every network namespace
 IP_TIMEOUT = 10.0
 SLOT_BASE = 1000  # UidPool numbers from here
 SPARES = 2  # namespaces of each kind (with a link, without) kept ready
@@ -79,30 +88,17 @@ SPARE_DELAY = 0.5  # a spare is made this long after one was taken: not during t
 class SandboxNet:
     """One sandbox's namespace, and its link while its network is on."""
 
-    netns: str  # the name under /run/netns, until the worker holds it by a descriptor (`hold`)
+    fd: int  # the worker's descriptor of the namespace: it has no name, this keeps it alive
     slot: UidLease | None = None  # held while the link exists
     ifname: str = ""
     host_ip: str = ""
     sandbox_ip: str = ""
     connected: bool = False
-    fd: int = -1  # once held (`NetHost.hold`): the worker's descriptor of the namespace
-
-    @property
-    def adopted(self) -> bool:
-        return self.fd >= 0
 
     @property
     def path(self) -> Path:
-        """A path that opens the namespace (for nsenter, and for `ip … netns PATH`)."""
-        if self.adopted:
-            return Path(f"/proc/{os.getpid()}/fd/{self.fd}")
-        return NETNS_DIR / self.netns
-
-    @property
-    def ref(self) -> str:
-        """How `ip link … netns REF` names it: its path once adopted (a path with a `/` is
-        opened as the namespace), else its name."""
-        return str(self.path) if self.adopted else self.netns
+        """A path that opens the namespace (for the chain's nsenter)."""
+        return Path(f"/proc/{os.getpid()}/fd/{self.fd}")
 
 
 def interface_prefix(scope: str) -> str:
@@ -159,13 +155,11 @@ table inet {table} {{
 
 def available() -> str | None:
     """Why this host cannot give sandboxes a gated network, or None if it can."""
-    import os
-
     if os.geteuid() != 0:
         return "the worker does not run as root"
-    missing = [tool for tool in ("ip", "nft", "nsenter") if shutil.which(tool) is None]
+    missing = [tool for tool in ("nft", "nsenter") if shutil.which(tool) is None]
     if missing:
-        return f"{', '.join(missing)} not found (apt-get install -y iproute2 nftables util-linux)"
+        return f"{', '.join(missing)} not found (apt-get install -y nftables util-linux)"
     return None
 
 
@@ -191,6 +185,17 @@ async def _run(*argv: str, stdin: str | None = None, check: bool = True) -> str:
     return out.decode(errors="replace")
 
 
+@contextlib.asynccontextmanager
+async def _netlink(what: str) -> AsyncIterator[None]:
+    """A netlink or namespace failure as the worker's error, saying what was being done."""
+    try:
+        yield
+    except NetlinkError as exc:
+        raise WorkerError(f"{what} failed: {os.strerror(exc.code)}") from exc
+    except OSError as exc:
+        raise WorkerError(f"{what} failed: {exc.strerror or exc}") from exc
+
+
 class NetHost:
     """This worker's namespaces, links and nftables table."""
 
@@ -209,9 +214,8 @@ class NetHost:
         self.table = table_name(scope)
         # a slot is leased as a "uid" of the lock-file pool uids.py keeps, offset by SLOT_BASE
         self.slots = UidPool(slot_lock_dir, SLOT_BASE, min(self.subnet.num_addresses // 4, 0xFFFF))
-        self._ip = shutil.which("ip") or "/usr/sbin/ip"
         self._nft = shutil.which("nft") or "/usr/sbin/nft"
-        self._nsenter = shutil.which("nsenter") or "/usr/bin/nsenter"
+        self._host: AsyncIPRoute | None = None  # netlink in the worker's own namespace
         # connected or not -> namespaces made ahead for the next starts; their filler
         self.spares: dict[bool, list[SandboxNet]] = {False: [], True: []}
         self._wanted: asyncio.Event | None = None
@@ -223,8 +227,11 @@ class NetHost:
         gate's DNS), this one is the subnet's first host."""
         return str(self.subnet.network_address + 1)
 
-    def netns_name(self) -> str:
-        return f"sandgate-{self.scope}-{secrets.token_hex(5)}"
+    @property
+    def host(self) -> AsyncIPRoute:
+        if self._host is None:
+            self._host = AsyncIPRoute()
+        return self._host
 
     async def prepare(self, *, gate_port: int, dns_port: int) -> None:
         self.slots.ensure_dir()
@@ -233,24 +240,21 @@ class NetHost:
         await _run(self._nft, "-f", "-", stdin=rules)
 
     async def remove_leftovers(self) -> None:
-        """Namespaces and links a crashed worker of this scope left behind."""
+        """Links a crashed worker of this scope left behind (its namespaces have no name: they
+        ended with its descriptors), and the named namespaces of a worker of an earlier
+        version."""
         mine = re.compile(f"^sandgate-{re.escape(self.scope)}-[0-9a-f]{{10}}$")
-        for name in await self._names("netns", "list", key="name"):
-            if mine.match(name):
-                log.warning("netns.leftover_removed", extra={"netns": name})
-                await _run(self._ip, "netns", "del", name, check=False)
-        for name in await self._names("link", "show", key="ifname"):
-            if name.startswith(self.prefix):
-                await _run(self._ip, "link", "del", name, check=False)
-
-    async def _names(self, *command: str, key: str) -> list[str]:
-        """The `key` of each object `ip -j COMMAND` lists (none when it fails)."""
-        out = await _run(self._ip, "-j", *command, check=False)
-        try:
-            listed = json.loads(out or "[]")
-        except ValueError:
-            return []
-        return [str(item[key]) for item in listed if isinstance(item, dict) and key in item]
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(NETNS_DIR):
+                if mine.match(name):
+                    log.warning("netns.leftover_removed", extra={"netns": name})
+                    _unname(NETNS_DIR / name)
+        async with _netlink("listing this worker's links"):
+            links = [link async for link in await self.host.get_links()]
+        for link in links:
+            if str(link.get("ifname", "")).startswith(self.prefix):
+                with contextlib.suppress(NetlinkError):
+                    await self.host.link("del", index=link["index"])
 
     async def close(self) -> None:
         if self._filler is not None:
@@ -262,8 +266,12 @@ class NetHost:
             while kind:
                 await self.remove(kind.pop())
         # and whatever a start or a spare cut short by cancellation made without a record
-        await self.remove_leftovers()
+        with contextlib.suppress(WorkerError):
+            await self.remove_leftovers()
         await _run(self._nft, "delete", "table", "inet", self.table, check=False)
+        if self._host is not None:
+            self._host.close()
+            self._host = None
 
     async def take(self, *, connected: bool) -> SandboxNet:
         """A namespace for a starting sandbox: a spare if one is ready, else made now."""
@@ -301,13 +309,16 @@ class NetHost:
             await self._wanted.wait()
 
     async def create(self) -> SandboxNet:
-        """A namespace with loopback only."""
-        net = SandboxNet(netns=self.netns_name())
-        await _run(self._ip, "netns", "add", net.netns)
+        """A namespace with loopback only, held by a descriptor and by no name."""
+        async with _netlink("making a network namespace"):
+            fd, sock = await asyncio.to_thread(nsthread.new_namespace)
+        net = SandboxNet(fd=fd)
         try:
-            await _run(self._ip, "-n", net.netns, "link", "set", "lo", "up")
+            async with _netlink("bringing the namespace's lo up"):
+                with _inside(sock) as inside:
+                    await inside.link("set", index=LOOPBACK_INDEX, state="up")
         except BaseException:
-            await _run(self._ip, "netns", "del", net.netns, check=False)
+            await self.remove(net)
             raise
         return net
 
@@ -321,71 +332,68 @@ class NetHost:
         net.slot, net.ifname = lease, f"{self.prefix}{slot:x}"
         net.host_ip, net.sandbox_ip = str(base + 1), str(base + 2)
         try:
-            await _run(self._ip, "link", "del", net.ifname, check=False)  # a stale one
-            host = (
-                f"link add {net.ifname} type veth peer name {SANDBOX_IF} netns {net.ref}\n"
-                f"addr add {net.host_ip}/30 dev {net.ifname}\n"
-            )
-            await _run(self._ip, "-b", "-", stdin=host)
-            _disable_ipv6(net.ifname)
-            await _run(self._ip, "link", "set", net.ifname, "up")
-            inside = (
-                f"addr add {net.sandbox_ip}/30 dev {SANDBOX_IF}\n"
-                f"link set {SANDBOX_IF} up\n"
-                f"route add default via {net.host_ip}\n"
-            )
-            await self._inside(net, "-b", "-", stdin=inside)
+            async with _netlink(f"making the link {net.ifname}"):
+                await self._delete_link(net.ifname)  # a stale one: its namespace is ending
+                peer = {"ifname": SANDBOX_IF, "net_ns_fd": net.fd}
+                await self.host.link("add", ifname=net.ifname, kind="veth", peer=peer)
+                (index,) = await self.host.link_lookup(ifname=net.ifname)
+                await self.host.addr("add", index=index, address=net.host_ip, prefixlen=30)
+                _disable_ipv6(net.ifname)
+                await self.host.link("set", index=index, state="up")
+            async with _netlink(f"configuring {SANDBOX_IF} in the namespace"):
+                sock = await asyncio.to_thread(nsthread.route_socket_in, net.fd)
+                with _inside(sock) as inside:
+                    (eth,) = await inside.link_lookup(ifname=SANDBOX_IF)
+                    await inside.addr("add", index=eth, address=net.sandbox_ip, prefixlen=30)
+                    await inside.link("set", index=eth, state="up")
+                    await inside.route("add", dst="0.0.0.0/0", gateway=net.host_ip)
         except BaseException:
             await self.disconnect(net)
             raise
         net.connected = True
 
-    async def _inside(self, net: SandboxNet, *args: str, stdin: str | None = None) -> str:
-        """`ip ARGS` in the namespace: by its name, or through its sandbox's process."""
-        if net.adopted:
-            return await _run(self._nsenter, f"--net={net.path}", self._ip, *args, stdin=stdin)
-        return await _run(self._ip, "-n", net.netns, *args, stdin=stdin)
-
-    def hold(self, net: SandboxNet) -> None:
-        """Trade the namespace's name for a descriptor, before a sandbox's chain enters it
-        through that descriptor (`SandboxNet.path`).
-
-        A named namespace is a bind mount in the host's mount table, which every sandbox
-        start copies (bwrap's new mount namespace) and to whose copies every `ip netns add`
-        propagates: with a name per sandbox, a start cost grew with the sandboxes held
-        (docs/benchmarks.md). The name is taken away here, in-process (what `ip netns del`
-        does: a lazy unmount, then the file), so a start neither waits for its chain to
-        enter nor spawns `ip`; the descriptor keeps the namespace until `remove`."""
-        if net.adopted:
-            return
-        path = NETNS_DIR / net.netns
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        if _libc.umount2(os.fsencode(path), _MNT_DETACH) < 0:
-            err = ctypes.get_errno()
-            os.close(fd)  # the chain enters it by its name, and `remove` deletes that
-            log.warning("netns.unname_failed", extra={"netns": net.netns, "errno": err})
-            return
-        net.fd = fd  # from here on, everything reaches it through the descriptor
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+    async def _delete_link(self, ifname: str) -> None:
+        """Delete the host's link `ifname` if there is one (its peer goes with it)."""
+        for index in await self.host.link_lookup(ifname=ifname):
+            with contextlib.suppress(NetlinkError):  # gone meanwhile
+                await self.host.link("del", index=index)
 
     async def disconnect(self, net: SandboxNet) -> None:
         """Take the link away: the namespace keeps loopback only."""
         if net.ifname:
-            await _run(self._ip, "link", "del", net.ifname, check=False)
+            with contextlib.suppress(WorkerError):
+                async with _netlink(f"deleting the link {net.ifname}"):
+                    await self._delete_link(net.ifname)
         if net.slot is not None:
             net.slot.release()
         net.slot, net.ifname, net.host_ip, net.sandbox_ip = None, "", "", ""
         net.connected = False
 
     async def remove(self, net: SandboxNet) -> None:
+        """End the namespace: its link, then its last descriptor (it has no name)."""
         await self.disconnect(net)
-        if net.adopted:  # no name left: the namespace ends with its last descriptor
+        if net.fd >= 0:
             fd, net.fd = net.fd, -1
             os.close(fd)
-            return
-        with contextlib.suppress(WorkerError):
-            await _run(self._ip, "netns", "del", net.netns, check=False)
+
+
+@contextlib.contextmanager
+def _inside(sock: socket.socket) -> Iterator[AsyncIPRoute]:
+    """Netlink through `sock` (made inside a namespace), closed after use."""
+    route = AsyncIPRoute(use_socket=sock)
+    try:
+        yield route
+    finally:
+        route.close()
+        sock.close()
+
+
+def _unname(path: Path) -> None:
+    """What `ip netns del` does, in-process: a lazy unmount of the name, then the file."""
+    if _libc.umount2(os.fsencode(path), _MNT_DETACH) < 0:
+        log.warning("netns.unname_failed", extra={"netns": path.name, "errno": ctypes.get_errno()})
+    with contextlib.suppress(OSError):
+        path.unlink()
 
 
 def _disable_ipv6(ifname: str) -> None:

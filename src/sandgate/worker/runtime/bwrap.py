@@ -491,8 +491,6 @@ class BwrapRuntime:
                 spec, workspace, tmp, seccomp_fd, root, points, inner_uid, binds=binds
             )
             args_fd = _memfd_with(b"".join(a.encode() + b"\0" for a in args))
-            if net is not None and self.net is not None:
-                self.net.hold(net)  # a descriptor, not a name (a mount), holds it from now on
             cmd = self._command(
                 uid,
                 args_fd,
