@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from sandgate.cli import logs
-from sandgate.cli.common import DbOpt, LogOpt, _prepare_db, _runner
+from sandgate.cli.common import DbOpt, LogOpt, _prepare_db, _runner, _worker_runner
 from sandgate.core.egress_policy import DEFAULT_DENY, DEFAULT_SANDBOX_SUBNET
 
 
@@ -455,7 +455,7 @@ def worker(
         pools=warm,
         faults=active_faults,
     )
-    with _runner() as runner:
+    with _worker_runner() as runner:
         runner.run(run_worker(settings))
 
 
