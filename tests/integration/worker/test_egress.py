@@ -457,8 +457,15 @@ def test_a_crashed_workers_namespaces_and_links_are_removed_at_its_next_start(
     loop.loop.call_soon_threadsafe(filler.cancel)
     # (its sandboxes live on: the next worker's start kills them, by their cgroups)
     sandbox.process.kill()
-    os.close(net.fd)
+    os.close(net.fd)  # what the worker's death closes: the namespace, its netlink socket
     net.fd = -1
+    host_netlink = first.net._host
+    assert host_netlink is not None
+
+    async def close_netlink() -> None:  # on the loop's thread: pyroute2 keeps it per thread
+        host_netlink.close()
+
+    loop.run(close_netlink())
     # and a named namespace, as a worker of an earlier version made them
     legacy = f"sandgate-{worker}-0123456789"
     subprocess.run(["ip", "netns", "add", legacy], check=True)
