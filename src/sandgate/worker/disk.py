@@ -13,12 +13,16 @@ worker holds the mount as an fd and the sandbox's own mount namespace moves it t
 sandboxes it holds. A template sandbox's overlay needs its upper directory on a path: its
 disk is attached at `mount_point` in the worker's table.
 
-Blocking helpers (they run `mkfs.ext4` and mount syscalls): call them in a thread.
+A worker makes one blank file system per size with `mkfs.ext4` and copies it for each
+sandbox (`copy_blank`: its few data extents, in-process).
+
+Blocking helpers (they run `mkfs.ext4`, copy and mount): call them in a thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import subprocess
@@ -95,6 +99,75 @@ def make_image(image: Path, *, disk_mb: int) -> None:
     )
 
 
+MAX_BLANK_DATA = 64 << 20  # a blank image holds ~150 KiB of data; more: no sparse copy here
+
+
+def blank_path(blank_dir: Path, disk_mb: int) -> Path:
+    return blank_dir / f"ext4-{disk_mb}mb-{inodes_for(disk_mb)}i.img"
+
+
+def copy_blank(image: Path, *, disk_mb: int, blank_dir: Path) -> None:
+    """`image` made as a copy of this worker's blank file system of that size (made once,
+    with `make_image`): only its data extents are copied (~150 KiB), in-process, so a start
+    does not spawn `mkfs.ext4` (a spawn copies the worker's descriptor table, which grows
+    with the sandboxes held). The copies share the blank's file system UUID, which the
+    kernel does not use to tell mounts apart. Falls back to `make_image` where the file
+    system holding `blank_dir` cannot tell data from holes."""
+    blank = blank_path(blank_dir, disk_mb)
+    if not blank.exists():
+        blank_dir.mkdir(mode=0o700, exist_ok=True)
+        making = blank.with_name(f"{blank.name}.{os.getpid()}.{id(image):x}.tmp")
+        try:
+            make_image(making, disk_mb=disk_mb)
+            os.replace(making, blank)  # atomic: concurrent starts each make one, one wins
+        finally:
+            making.unlink(missing_ok=True)
+    source = os.open(blank, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        extents = _data_extents(source)
+        if extents is None:
+            make_image(image, disk_mb=disk_mb)
+            return
+        with open(image, "xb") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.truncate(disk_mb << 20)
+            for start, end in extents:
+                while start < end:
+                    copied = os.copy_file_range(source, f.fileno(), end - start, start, start)
+                    if copied == 0:
+                        raise WorkerError(f"cannot copy the blank disk {blank}: it shrank")
+                    start += copied
+    except OSError as exc:
+        image.unlink(missing_ok=True)
+        raise WorkerError(f"cannot make the disk image from {blank}: {exc}") from exc
+    except BaseException:
+        image.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(source)
+
+
+def _data_extents(fd: int) -> list[tuple[int, int]] | None:
+    """The (start, end) of each data extent of the file, or None if that is more than
+    MAX_BLANK_DATA (a file system that reports the whole file as data)."""
+    extents: list[tuple[int, int]] = []
+    size, offset, total = os.fstat(fd).st_size, 0, 0
+    while offset < size:
+        try:
+            start = os.lseek(fd, offset, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # no data past offset
+                break
+            raise
+        end = os.lseek(fd, start, os.SEEK_HOLE)
+        total += end - start
+        if total > MAX_BLANK_DATA:
+            return None
+        extents.append((start, end))
+        offset = end
+    return extents
+
+
 def mount_image(image: Path, mount_point: Path) -> None:
     """Mount the file system in `image` at `mount_point`, in this mount table."""
     mount_fd = loopmount.mount_detached(image)
@@ -105,13 +178,24 @@ def mount_image(image: Path, mount_point: Path) -> None:
     os.chmod(mount_point, 0o711)
 
 
-def create(sandbox_dir: Path, *, disk_mb: int, uid: int, detached: bool = False) -> SandboxDisk:
-    """Make, mount and lay out the sandbox's file system; nothing is left on failure."""
+def create(
+    sandbox_dir: Path,
+    *,
+    disk_mb: int,
+    uid: int,
+    detached: bool = False,
+    blank_dir: Path | None = None,
+) -> SandboxDisk:
+    """Make (from `blank_dir`'s blank of that size, if given: `copy_blank`), mount and lay
+    out the sandbox's file system; nothing is left on failure."""
     image = sandbox_dir / IMAGE_NAME
     mount_point = sandbox_dir / MOUNT_NAME
     mount_fd = -1
     try:
-        make_image(image, disk_mb=disk_mb)
+        if blank_dir is None:
+            make_image(image, disk_mb=disk_mb)
+        else:
+            copy_blank(image, disk_mb=disk_mb, blank_dir=blank_dir)
         mount_point.mkdir(mode=0o711)
         if detached:
             mount_fd = loopmount.mount_detached(image)

@@ -167,6 +167,39 @@ def test_a_template_sandboxs_disk_is_attached_for_its_overlay_and_unmounted_at_s
     assert gone_within(made.image)
 
 
+def test_a_disk_is_a_sparse_copy_of_the_workers_blank_and_keeps_its_own_quota(
+    rt: BwrapRuntime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blank_dir = tmp_path / "blanks"
+    made = []
+    for i in range(2):
+        sandbox_dir = rt.sandboxes_dir / uniq(f"blank{i}")
+        sandbox_dir.mkdir(mode=0o711)
+        made.append(disk.create(sandbox_dir, disk_mb=24, uid=os.getuid(), blank_dir=blank_dir))
+    try:
+        (blank,) = blank_dir.iterdir()  # made once, for both
+        assert blank == disk.blank_path(blank_dir, 24)
+        for one in made:
+            assert one.image.stat().st_size == 24 << 20
+            assert one.image.stat().st_blocks * 512 < 4 << 20  # its data extents only
+            fs = os.statvfs(one.root)
+            assert fs.f_blocks * fs.f_frsize <= 24 << 20 and fs.f_files == disk.inodes_for(24)
+            assert (one.root / "workspace").stat().st_uid == os.getuid()
+        (made[0].root / "workspace" / "mine").write_text("first")
+        assert not (made[1].root / "workspace" / "mine").exists()  # one file system each
+        # a file system that cannot tell data from holes: made with mkfs, not copied whole
+        monkeypatch.setattr(disk, "MAX_BLANK_DATA", 0)
+        sandbox_dir = rt.sandboxes_dir / uniq("blank-fallback")
+        sandbox_dir.mkdir(mode=0o711)
+        made.append(disk.create(sandbox_dir, disk_mb=24, uid=os.getuid(), blank_dir=blank_dir))
+        assert made[-1].image.stat().st_blocks * 512 < 4 << 20
+        assert os.statvfs(made[-1].root).f_files == disk.inodes_for(24)
+    finally:
+        for one in made:
+            disk.remove(one.image.parent)
+            one.image.parent.rmdir()
+
+
 def test_a_restart_after_a_crash_leaves_no_mount_or_loop_device(env: Env) -> None:
     first = other_runtime(env)
     asyncio.run(first.prepare())

@@ -231,6 +231,7 @@ class BwrapRuntime:
         self._agent_checked = False
         self._disk_problem: str | None = "the runtime is not prepared"
         self.layer_store = self.state_dir / "layers"  # images.LayerCache keeps it
+        self.blank_disks = self.state_dir / "blank-disks"  # disk.copy_blank's, one per size
         self._host_python: tuple[str, str, str] | None = None  # loader, its dir, python
         self._images_problem: str | None = "the runtime is not prepared"
         self.fd_share = fd_share
@@ -438,6 +439,7 @@ class BwrapRuntime:
                     disk_mb=spec.disk_mb,
                     uid=uid,
                     detached=spec.image is None,  # a template's overlay needs a path
+                    blank_dir=self.blank_disks,
                 )
                 workspace, tmp, own_disk = made.workspace, made.tmp, made.mount_point
             else:
