@@ -4,8 +4,8 @@
 
 Starts a sandgate server (SQLite) and one bwrap worker (bench/stack.py) with room for the
 largest N (`--capacity`, memory and disk overcommitted: the sandboxes are idle), then at each
-step fills the worker up to N sandboxes (`memory_mb` small, made 4 at a time, not measured)
-and measures with N held:
+step fills the worker up to N sandboxes (`memory_mb` small, made 4 at a time, not measured),
+waits for the machine to be idle again (at most 30 s) and measures with N held:
 
 - create-to-running of `--m` more sandboxes, one at a time, each deleted after (outside the
   timing), so N stays N;
@@ -64,6 +64,25 @@ def pss_mib(pids: list[int]) -> float:
 WORKER_ARGS = ("--memory-overcommit", "64", "--disk-overcommit", "64")
 
 
+def cpu_times() -> tuple[int, int]:
+    """(idle, total) jiffies of all CPUs since boot (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[3] + fields[4], sum(fields)  # idle + iowait
+
+
+def settle(quiet: float = 0.8, window: float = 0.5, most: float = 30.0) -> float:
+    """Wait until the machine is idle (`quiet` of its CPU time in two windows running), or
+    `most` seconds: what a fill leaves behind (the kernel ending namespaces and cgroups, the
+    worker's heartbeats and spare namespaces) must not be timed as create. Seconds waited."""
+    started, calm = time.monotonic(), 0
+    while calm < 2 and time.monotonic() - started < most:
+        idle0, total0 = cpu_times()
+        time.sleep(window)
+        idle1, total1 = cpu_times()
+        calm = calm + 1 if (idle1 - idle0) >= quiet * max(1, total1 - total0) else 0
+    return time.monotonic() - started
+
+
 def fill(stack: Stack, body: dict[str, Any], count: int) -> list[str]:
     """Create `count` sandboxes of `body`, 4 at a time (not measured); their names."""
     headers = {"Authorization": f"Bearer {stack.key}"}
@@ -97,7 +116,7 @@ def main() -> None:
             started = time.monotonic()
             held += fill(stack, body, n - len(held))
             fill_s = time.monotonic() - started
-            time.sleep(2.0)  # let the worker settle (heartbeats, pool refills)
+            settled_s = settle()
             creates = []
             for _ in range(args.m):
                 t = time.perf_counter()
@@ -123,7 +142,7 @@ def main() -> None:
                 f"N={n:>5}  create p50 {statistics.median(creates):7.2f} ms p99 "
                 f"{pct(creates, 99):7.2f}   execute p50 {statistics.median(executes):6.2f} ms   "
                 f"list p50 {statistics.median(lists):6.2f} ms   {per_sandbox:5.2f} MiB/sandbox"
-                f"   (filled in {fill_s:.1f} s)",
+                f"   (filled in {fill_s:.1f} s, settled in {settled_s:.1f} s)",
                 flush=True,
             )
     first, last = rows[0], rows[-1]
