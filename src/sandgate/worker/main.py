@@ -164,9 +164,9 @@ def make_runtime(settings: WorkerSettings, state_dir: Path, agent_dir: Path) -> 
 def seal_inherited_descriptors() -> None:
     """Make every descriptor we inherited close on exec.
 
-    uvloop spawns through libuv, which does not close descriptors the way `close_fds` does;
-    what we open ourselves is already close-on-exec (PEP 446, libuv), so this leaves nothing
-    of the worker's to leak into a sandbox.
+    Not every spawn closes what it does not pass (`close_fds`: an `exec` in a sandbox's
+    chain, a library's helper); what we open ourselves is already close-on-exec (PEP 446),
+    so this leaves nothing of the worker's to leak into a sandbox.
     """
     for entry in os.listdir("/proc/self/fd"):
         fd = int(entry)

@@ -166,9 +166,13 @@ def start_deployment(
     dep.server = launch.start(
         launch.server_argv("--db", db, "--port", str(port), *server_args), log=log
     )
-    launch.wait_healthy(dep.url, dep.server, log=log, timeout=20, what="server up")
-    if worker:
-        dep.start_worker()
+    try:
+        launch.wait_healthy(dep.url, dep.server, log=log, timeout=20, what="server up")
+        if worker:
+            dep.start_worker()
+    except BaseException:  # a deployment that did not come up leaves no process behind
+        tear_down(dep)
+        raise
     return dep
 
 
