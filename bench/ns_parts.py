@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,15 +47,22 @@ def timed(argv: list[str], m: int = 30) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    with running(*WORKER_ARGS, capacity=1050) as stack:
+def held_steps(steps: tuple[int, ...] = (10, 1000)) -> Iterator[int]:
+    """One worker filled to each N of `steps` in turn (small, idle sandboxes), the machine
+    idle again: yields N while they are held."""
+    with running(*WORKER_ARGS, capacity=max(steps) + 50) as stack:
         held = 0
-        for n in (10, 1000):
+        for n in steps:
             fill(stack, {"resources": {"memory_mb": 32}, "timeout": 7200}, n - held)
             held = n
             settle()
-            parts = (f"{k} {timed([*BASE, *extra, 'true']):.2f}" for k, extra in VARIANTS.items())
-            print(f"N={n:>5}  " + "  ".join(parts), flush=True)
+            yield n
+
+
+def main() -> None:
+    for n in held_steps():
+        parts = (f"{k} {timed([*BASE, *extra, 'true']):.2f}" for k, extra in VARIANTS.items())
+        print(f"N={n:>5}  " + "  ".join(parts), flush=True)
 
 
 if __name__ == "__main__":

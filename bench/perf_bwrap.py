@@ -19,27 +19,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ns_parts import BASE
-from scale import WORKER_ARGS, fill, settle
-from stack import running
+from ns_parts import BASE, held_steps
 
 ARGV = [*BASE, "--unshare-pid", "--proc", "/proc", "--dev", "/dev", "--disable-userns", "true"]
 
 
 def main() -> None:
     loop = f"for i in $(seq 100); do {shlex.join(ARGV)}; done"
-    with running(*WORKER_ARGS, capacity=1050) as stack:
-        held = 0
-        for n in (10, 1000):
-            fill(stack, {"resources": {"memory_mb": 32}, "timeout": 7200}, n - held)
-            held = n
-            settle()
-            started = time.perf_counter()
-            record = ["perf", "record", "-q", "-a", "-g", "-o", f"/tmp/perf-bwrap-{n}.data"]
-            subprocess.run([*record, "--", "sh", "-c", loop], check=True, stderr=subprocess.DEVNULL)
-            print(
-                f"N={n:>5}  100 bwrap starts in {time.perf_counter() - started:.2f} s", flush=True
-            )
+    for n in held_steps():
+        started = time.perf_counter()
+        record = ["perf", "record", "-q", "-a", "-g", "-o", f"/tmp/perf-bwrap-{n}.data"]
+        subprocess.run([*record, "--", "sh", "-c", loop], check=True, stderr=subprocess.DEVNULL)
+        print(f"N={n:>5}  100 bwrap starts in {time.perf_counter() - started:.2f} s", flush=True)
 
 
 if __name__ == "__main__":
