@@ -49,9 +49,10 @@ import os
 import re
 import shutil
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from pyroute2 import AsyncIPRoute
 from pyroute2.netlink.exceptions import NetlinkError
@@ -62,6 +63,7 @@ from sandgate.worker import nsthread
 from sandgate.worker.uids import UidLease, UidPool
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _MNT_DETACH = 2
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -311,7 +313,7 @@ class NetHost:
     async def create(self) -> SandboxNet:
         """A namespace with loopback only, held by a descriptor and by no name."""
         async with _netlink("making a network namespace"):
-            fd, sock = await asyncio.to_thread(nsthread.new_namespace)
+            fd, sock = await _finished(nsthread.new_namespace, _close_namespace)
         net = SandboxNet(fd=fd)
         try:
             async with _netlink("bringing the namespace's lo up"):
@@ -341,7 +343,8 @@ class NetHost:
                 _disable_ipv6(net.ifname)
                 await self.host.link("set", index=index, state="up")
             async with _netlink(f"configuring {SANDBOX_IF} in the namespace"):
-                sock = await asyncio.to_thread(nsthread.route_socket_in, net.fd)
+                fd = net.fd
+                sock = await _finished(lambda: nsthread.route_socket_in(fd), socket.socket.close)
                 with _inside(sock) as inside:
                     (eth,) = await inside.link_lookup(ifname=SANDBOX_IF)
                     await inside.addr("add", index=eth, address=net.sandbox_ip, prefixlen=30)
@@ -375,6 +378,23 @@ class NetHost:
         if net.fd >= 0:
             fd, net.fd = net.fd, -1
             os.close(fd)
+
+
+async def _finished(work: Callable[[], T], undo: Callable[[T], object]) -> T:
+    """`work` on a thread; if the caller is cancelled meanwhile (a worker closing its spare
+    maker), what the thread still makes is undone, not left to the garbage collector."""
+    running = asyncio.ensure_future(asyncio.to_thread(work))
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        with contextlib.suppress(BaseException):
+            undo(await running)
+        raise
+
+
+def _close_namespace(made: tuple[int, socket.socket]) -> None:
+    os.close(made[0])
+    made[1].close()
 
 
 @contextlib.contextmanager

@@ -9,7 +9,9 @@ stays refused."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import os
 import secrets
 import shutil
@@ -17,12 +19,13 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import dns.message
 import dns.query
 import pytest
 
-from sandgate.worker.netns import interface_prefix, ruleset, table_name
+from sandgate.worker.netns import NetHost, interface_prefix, ruleset, table_name
 from tests.nethosts import Internet
 
 pytestmark = [
@@ -101,3 +104,22 @@ def test_a_new_connection_to_a_gate_port_from_outside_stays_refused(
         # the same port from the host's loopback is not the rule's business
         with contextlib.closing(socket.create_connection(("127.0.0.1", gate_port), 2)):
             pass
+
+
+def test_a_namespace_whose_making_is_cancelled_leaves_no_descriptor(tmp_path: Path) -> None:
+    # a worker closing its spare maker cancels a create while the thread is still making
+    # the namespace: what the thread makes is closed, not left to the garbage collector
+    async def cancel_creates() -> None:
+        net = NetHost(f"t-cancel-{secrets.token_hex(3)}", slot_lock_dir=tmp_path / "slots")
+        for _ in range(20):
+            making = asyncio.ensure_future(net.create())
+            await asyncio.sleep(0)  # the thread has started, the caller goes away
+            making.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                made = await making
+                await net.remove(made)
+
+    before = len(os.listdir("/proc/self/fd"))
+    asyncio.run(cancel_creates())
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
