@@ -100,6 +100,7 @@ def make_image(image: Path, *, disk_mb: int) -> None:
 
 
 MAX_BLANK_DATA = 64 << 20  # a blank image holds ~150 KiB of data; more: no sparse copy here
+MAX_BLANKS = 16  # disk sizes a worker keeps a blank of; other sizes get mkfs per sandbox
 
 
 def blank_path(blank_dir: Path, disk_mb: int) -> Path:
@@ -112,10 +113,14 @@ def copy_blank(image: Path, *, disk_mb: int, blank_dir: Path) -> None:
     does not spawn `mkfs.ext4` (a spawn copies the worker's descriptor table, which grows
     with the sandboxes held). The copies share the blank's file system UUID, which the
     kernel does not use to tell mounts apart. Falls back to `make_image` where the file
-    system holding `blank_dir` cannot tell data from holes."""
+    system holding `blank_dir` cannot tell data from holes, and for a size past the
+    `MAX_BLANKS` the worker already keeps (the sizes are the tenants' choice)."""
     blank = blank_path(blank_dir, disk_mb)
     if not blank.exists():
         blank_dir.mkdir(mode=0o700, exist_ok=True)
+        if len(list(blank_dir.glob("*.img"))) >= MAX_BLANKS:  # tenants pick the sizes
+            make_image(image, disk_mb=disk_mb)
+            return
         making = blank.with_name(f"{blank.name}.{os.getpid()}.{id(image):x}.tmp")
         try:
             make_image(making, disk_mb=disk_mb)

@@ -160,8 +160,9 @@ WORKER_OBJECT_STATE: Mapping[str, StateRow] = MappingProxyType(
         "NetHost.spares": StateRow(
             "network namespaces made ahead for the next sandbox starts, with a link and without",
             "2 of each kind (`netns.SPARES`)",
-            "per-process by nature: this host's namespaces; what a crashed worker left is "
-            "removed at its next start",
+            "per-process by nature: this host's namespaces, held by descriptors only (no "
+            "name), so they end with a crashed worker; its host links are removed at its "
+            "next start",
         ),
         "NetHost._wanted": StateRow(
             "wakes the spare filler when a start took one", "one event", "per-process by nature"

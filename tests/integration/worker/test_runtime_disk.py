@@ -194,6 +194,14 @@ def test_a_disk_is_a_sparse_copy_of_the_workers_blank_and_keeps_its_own_quota(
         made.append(disk.create(sandbox_dir, disk_mb=24, uid=os.getuid(), blank_dir=blank_dir))
         assert made[-1].image.stat().st_blocks * 512 < 4 << 20
         assert os.statvfs(made[-1].root).f_files == disk.inodes_for(24)
+        # the sizes are the tenants': past MAX_BLANKS sizes, no new blank is kept
+        monkeypatch.setattr(disk, "MAX_BLANK_DATA", 64 << 20)
+        monkeypatch.setattr(disk, "MAX_BLANKS", 1)
+        sandbox_dir = rt.sandboxes_dir / uniq("blank-other-size")
+        sandbox_dir.mkdir(mode=0o711)
+        made.append(disk.create(sandbox_dir, disk_mb=20, uid=os.getuid(), blank_dir=blank_dir))
+        assert list(blank_dir.iterdir()) == [blank]
+        assert os.statvfs(made[-1].root).f_files == disk.inodes_for(20)
     finally:
         for one in made:
             disk.remove(one.image.parent)
