@@ -1,4 +1,4 @@
-"""The code-run stream's beat (api/routes/contexts.keep_alive): None while an event is slow,
+"""The code-run stream's beat (api/beats.keep_alive): None while an event is slow,
 and the slow event itself is never lost to the beat."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from sandgate.api.routes.contexts import keep_alive
+from sandgate.api.beats import keep_alive
 
 
 async def slow_events(delays: list[float], log: list[str]) -> AsyncIterator[dict[str, Any]]:

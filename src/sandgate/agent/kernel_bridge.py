@@ -12,7 +12,8 @@ Everything is through its stdin and stdout, one JSON object a line, so it lives,
 and dies like any process (and with its sandbox). In:
 
     {"op": "run", "run": "<id>", "code": "...", "env": {...}, "timeout": seconds | null}
-    {"op": "interrupt"}      the running code gets KeyboardInterrupt
+    {"op": "interrupt", "run": "<id>"}  that run's code gets KeyboardInterrupt (a run still
+                             waiting its turn is dropped); without a run, whatever runs
     {"op": "restart"}        a fresh kernel: every variable is gone
 
 Out, each with the `run` it belongs to: `ready` (once, when the kernel answers),
@@ -20,7 +21,10 @@ Out, each with the `run` it belongs to: `ready` (once, when the kernel answers),
 png, jpeg, pdf, latex, json, javascript; `is_main_result` for the value of the last
 expression), `error` (name, value, traceback) and `end_of_execution`; `restarted` after a
 restart. A kernel that dies ends its run with an `error` named `KernelDied`, and the context
-can be restarted. The kernel's sockets are files in /tmp (no network), its state dirs too.
+can be restarted. Code still running `KILL_GRACE` seconds after its timeout's interrupt (it
+ignores SIGINT, or sits in one long C call) has its kernel restarted: the run ends with an
+`error` named `KernelRestarted`, and the runs after it get a fresh kernel, not a wait.
+The kernel's sockets are files in /tmp (no network), its state dirs too.
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ READY_TIMEOUT = 60.0
 # of a short one; the execution count, `_` and `Out` stay
 KERNEL_ARGUMENTS = ("--HistoryManager.enabled=False",)
 POLL_SECONDS = 0.5  # how often a run waiting for kernel output checks the kernel is alive
+# how long code may go on after its timeout's interrupt before its kernel (or shell) is
+# restarted under it: a time limit holds for code that ignores KeyboardInterrupt too
+KILL_GRACE = 5.0
 # events of one burst of kernel messages go out in one write (so the control plane reads them
 # in one request): a line waits at most this long for the next message
 BURST_SECONDS = 0.003
@@ -73,6 +80,7 @@ class Bridge:
         self.out_lock = threading.Lock()
         self.pending: list[str] = []  # lines of the current burst, not written yet
         self.runs: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.turns = Turns()
         self.state_dir = tempfile.mkdtemp(prefix=f"sandgate-kernel-{context}-", dir="/tmp")
         self.manager = KernelManager(
             kernel_name="python3",
@@ -130,12 +138,13 @@ class Bridge:
         run = str(request.get("run"))
         env = request.get("env") or {}
         timeout = request.get("timeout")
+        fresh = False
         try:
             if env:
                 self.silent(f"import os as _sg_os; _sg_os.environ.update({env!r})")
-            self.execute(run, str(request.get("code", "")), timeout)
+            fresh = self.execute(run, str(request.get("code", "")), timeout)
         finally:
-            if env:
+            if env and not fresh:  # a restarted kernel never had them
                 names = sorted(env)
                 self.silent(f"[_sg_os.environ.pop(_sg_k, None) for _sg_k in {names!r}]")
             self.emit("end_of_execution", run)
@@ -146,7 +155,8 @@ class Bridge:
         msg_id = self.client.execute(code, silent=True, store_history=False)
         self.drain(msg_id, None, timeout=30)
 
-    def execute(self, run: str, code: str, timeout: float | None) -> None:
+    def execute(self, run: str, code: str, timeout: float | None) -> bool:
+        """Run `code`; True when its kernel had to be restarted under it."""
         if not self.manager.is_alive():
             self.emit(
                 "error",
@@ -155,12 +165,13 @@ class Bridge:
                 value="the kernel is not running: restart the context",
                 traceback="",
             )
-            return
+            return False
         msg_id = self.client.execute(code, store_history=True, allow_stdin=False)
-        self.drain(msg_id, run, timeout)
+        return self.drain(msg_id, run, timeout)
 
-    def drain(self, msg_id: str, run: str | None, timeout: float | None) -> None:
-        """Relay the kernel's messages for one execution until it is idle again."""
+    def drain(self, msg_id: str, run: str | None, timeout: float | None) -> bool:
+        """Relay the kernel's messages for one execution until it is idle again (True: it
+        never was, and the kernel was restarted `KILL_GRACE` seconds after the interrupt)."""
         deadline = None if not timeout else time.monotonic() + float(timeout)
         interrupted = False
         while True:
@@ -180,7 +191,23 @@ class Bridge:
                             value="the kernel died: restart the context",
                             traceback="",
                         )
-                    return
+                    return False
+                if (
+                    interrupted
+                    and deadline is not None
+                    and time.monotonic() > deadline + KILL_GRACE
+                ):
+                    self.restart()
+                    if run is not None:
+                        self.emit(
+                            "error",
+                            run,
+                            name="KernelRestarted",
+                            value=f"the code did not stop within {KILL_GRACE:g} s of its "
+                            "interrupt: its kernel was restarted, and every variable is gone",
+                            traceback="",
+                        )
+                    return True
                 if deadline is not None and time.monotonic() > deadline and not interrupted:
                     interrupted = True
                     self.manager.interrupt_kernel()
@@ -199,7 +226,7 @@ class Bridge:
             kind = message["msg_type"]
             content = message["content"]
             if kind == "status" and content.get("execution_state") == "idle":
-                return
+                return False
             if run is None:
                 continue
             if kind == "execute_input":
@@ -230,9 +257,11 @@ class Bridge:
                 continue
             op = request.get("op")
             if op == "run":
+                self.turns.queue(str(request.get("run")))
                 self.runs.put(request)
             elif op == "interrupt":
-                self.interrupt()
+                if self.turns.interrupt(request.get("run")):
+                    self.interrupt()
             elif op == "restart":
                 self.runs.put({"op": "restart"})
             elif op == "env":  # a pooled sandbox handed out: its environment, for good
@@ -250,8 +279,13 @@ class Bridge:
                     env = {str(k): str(v) for k, v in dict(request["env"]).items()}
                     os.environ.update(env)  # a restarted kernel gets it too
                     self.silent(f"import os as _sg_os; _sg_os.environ.update({env!r})")
-                else:
-                    self.run(request)
+                elif self.turns.begin(str(request.get("run"))):
+                    try:
+                        self.run(request)
+                    finally:
+                        self.turns.end()
+                else:  # its client left before its turn came
+                    self.emit("end_of_execution", request.get("run"))
             except Exception as exc:  # never leave a run without its end
                 self.emit(
                     "error",
@@ -287,6 +321,7 @@ class ShellBridge(Bridge):
         self.out_lock = threading.Lock()
         self.pending = []
         self.runs = queue.Queue()
+        self.turns = Turns()
         self.shell: Any = None
         self.streams: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self.count = 0
@@ -304,15 +339,19 @@ class ShellBridge(Bridge):
             env=env,
             start_new_session=True,  # its own process group: an interrupt reaches its commands
         )
+        # a queue per shell: the readers of a killed shell end in theirs, not in the next's
         self.streams = queue.Queue()
         for name, pipe in (("stdout", self.shell.stdout), ("stderr", self.shell.stderr)):
-            threading.Thread(target=self._pump, args=(name, pipe), daemon=True).start()
+            threading.Thread(
+                target=self._pump, args=(name, pipe, self.streams), daemon=True
+            ).start()
         self._send("trap 'true' INT\n")  # the shell survives an interrupt; its commands do not
 
-    def _pump(self, name: str, pipe: Any) -> None:
+    @staticmethod
+    def _pump(name: str, pipe: Any, into: queue.Queue[tuple[str, bytes]]) -> None:
         while chunk := os.read(pipe.fileno(), 65536):
-            self.streams.put((name, chunk))
-        self.streams.put((name, b""))
+            into.put((name, chunk))
+        into.put((name, b""))
 
     def _send(self, text: str) -> bool:
         try:
@@ -392,6 +431,22 @@ class ShellBridge(Bridge):
                 self.flush()
                 if not self.alive():
                     break
+                if (
+                    interrupted
+                    and deadline is not None
+                    and time.monotonic() > deadline + KILL_GRACE
+                ):
+                    self.restart()
+                    self.emit(
+                        "error",
+                        run,
+                        name="KernelRestarted",
+                        value=f"the commands did not stop within {KILL_GRACE:g} s of their "
+                        "interrupt: the shell was restarted (its variables, functions and "
+                        "working directory are reset)",
+                        traceback="",
+                    )
+                    return
                 if deadline is not None and time.monotonic() > deadline and not interrupted:
                     interrupted = True
                     self.interrupt()
@@ -441,6 +496,45 @@ class ShellBridge(Bridge):
                 value=f"exit status {status}",
                 traceback="",
             )
+
+
+class Turns:
+    """Which run has the kernel, and which wait for it: an interrupt from a client that
+    left stops its own run, never the one before it (a waiting run is dropped instead).
+    Shared by the thread reading requests and the one running them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.current: str | None = None
+        self.waiting: set[str] = set()
+        self.dropped: set[str] = set()
+
+    def queue(self, run: str) -> None:
+        with self.lock:
+            self.waiting.add(run)
+
+    def interrupt(self, run: object) -> bool:
+        """True when the kernel is to be interrupted (`run` is running, or no run named)."""
+        with self.lock:
+            if run is None or run == self.current:
+                return True
+            if run in self.waiting:
+                self.dropped.add(str(run))
+            return False
+
+    def begin(self, run: str) -> bool:
+        """`run`'s turn: False when it was dropped while it waited."""
+        with self.lock:
+            self.waiting.discard(run)
+            if run in self.dropped:
+                self.dropped.discard(run)
+                return False
+            self.current = run
+            return True
+
+    def end(self) -> None:
+        with self.lock:
+            self.current = None
 
 
 def _bundle(data: dict[str, Any], kind: str) -> dict[str, Any]:

@@ -59,14 +59,6 @@ def _context_of(process: Process) -> Context | None:
     return Context(context_id, language, cwd, process.pid, process.output_end)
 
 
-async def _prepend(
-    first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]
-) -> AsyncIterator[dict[str, Any]]:
-    yield first
-    async for event in rest:
-        yield event
-
-
 def check_context_id(context_id: str) -> None:
     if not 0 < len(context_id) <= 64 or not set(context_id) <= CONTEXT_ID_CHARS:
         raise InvalidRequestError("a context id is 1-64 characters of a-z, 0-9 and '-'")
@@ -138,25 +130,38 @@ class ContextService:
         time_limit: float | None = None,
         language: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """`run`, its first event read already: a context that does not exist raises here,
-        before a stream has answered. Without a context id, in the default context of
-        `language` (python if none), made by the first run that needs it."""
+        """The run handed to its context, and its events (`number_of_executions`, `stdout`,
+        `stderr`, `result`, `error`, ending with `end_of_execution`) to follow. A context that
+        does not exist raises here, before a stream has answered; a run waiting behind
+        another in its context has its stream answered already (so its client sees the beats,
+        not silence). Without a context id, in the default context of `language` (python if
+        none), made by the first run that needs it."""
         language = language or "python"
         if context_id is None and language not in DEFAULT_CONTEXTS:
             raise InvalidRequestError(
                 f"language {language!r} has no kernel here; use one of {', '.join(LANGUAGES)}"
             )
         target = context_id or DEFAULT_CONTEXTS[language]
+        run_id = secrets.token_hex(8)
+        # the bridge interrupts the kernel when the time limit passes (and restarts one that
+        # ignores the interrupt)
+        request = {"op": "run", "run": run_id, "code": code, "env": env or {}}
+        line = json.dumps({**request, "timeout": time_limit}, separators=(",", ":")) + "\n"
         for attempt in (1, 2):
-            events = self.run(tenant, name, target, code, env=env, time_limit=time_limit)
             try:
-                first = await anext(events)
+                pid, offset = await self.toolbox.write_stdin_tagged(
+                    tenant, name, TAG_PREFIX + target, line.encode()
+                )
             except NotFoundError:
-                if context_id is not None or attempt == 2:
+                if context_id is not None:
+                    raise NotFoundError(
+                        f"no code context {context_id!r} in sandbox {name}"
+                    ) from None
+                if attempt == 2:
                     raise
                 await self.default(tenant, name, language)
                 continue
-            return _prepend(first, events)
+            return self._follow_run(tenant, name, pid, offset, run_id)
         raise AssertionError("unreachable")
 
     async def _ready(self, tenant: TenantId, name: str, context: Context) -> Context:
@@ -200,30 +205,11 @@ class ContextService:
                     return context
         raise ConflictError(f"context {context_id} ended while restarting")
 
-    async def run(
-        self,
-        tenant: TenantId,
-        name: str,
-        context_id: str,
-        code: str,
-        *,
-        env: dict[str, str] | None = None,
-        time_limit: float | None = None,
+    async def _follow_run(
+        self, tenant: TenantId, name: str, pid: int, offset: int, run_id: str
     ) -> AsyncIterator[dict[str, Any]]:
-        """The run's events (`number_of_executions`, `stdout`, `stderr`, `result`, `error`),
-        ending with `end_of_execution`. The request goes to the context by its tag, and
-        its answer is read from where the output stood then: two calls into the sandbox."""
-        run_id = secrets.token_hex(8)
-        # the bridge interrupts the kernel when the time limit passes
-        request: dict[str, Any] = {"op": "run", "run": run_id, "code": code, "env": env or {}}
-        request["timeout"] = time_limit
-        line = (json.dumps(request, separators=(",", ":")) + "\n").encode()
-        try:
-            pid, offset = await self.toolbox.write_stdin_tagged(
-                tenant, name, TAG_PREFIX + context_id, line
-            )
-        except NotFoundError:
-            raise NotFoundError(f"no code context {context_id!r} in sandbox {name}") from None
+        """The events of run `run_id`, read from the context's output at `offset` (where it
+        stood when the run was written)."""
         finished = False
         try:
             async for event in self._events(tenant, name, pid, offset):
@@ -244,9 +230,11 @@ class ContextService:
             yield {"type": "end_of_execution"}
             finished = True
         finally:
-            if not finished:  # the client left, or the call failed: stop the code
+            if not finished:  # the client left, or the call failed: stop its code (or drop
+                # it from its context's turn), never the code of a run before it
                 with contextlib.suppress(SandgateError):
-                    await asyncio.shield(self._send(tenant, name, pid, {"op": "interrupt"}))
+                    interrupt = {"op": "interrupt", "run": run_id}
+                    await asyncio.shield(self._send(tenant, name, pid, interrupt))
 
     async def _send(self, tenant: TenantId, name: str, pid: int, request: dict[str, Any]) -> None:
         line = json.dumps(request, separators=(",", ":")) + "\n"

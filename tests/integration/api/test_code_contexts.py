@@ -163,3 +163,87 @@ def test_a_bash_context_keeps_its_shell(alpha: httpx.Client, sandbox: str) -> No
     languages = {c["id"]: c["language"] for c in alpha.get(f"{base}/contexts").json()}
     assert languages[ctx] == "bash" and languages["default-bash"] == "bash"
     alpha.delete(f"{base}/contexts/{ctx}")
+
+
+def test_code_that_ignores_its_interrupt_has_its_kernel_restarted(
+    alpha: httpx.Client, sandbox: str
+) -> None:
+    """A time limit holds for code that ignores KeyboardInterrupt: its kernel is restarted
+    KILL_GRACE seconds after the interrupt. A run waiting its turn behind it has its 200 (and
+    beats) at once, not after it: a client's read timeout never sees a silent stream."""
+    base = f"/api/v1/sandboxes/{sandbox}"
+    ctx = alpha.post(f"{base}/contexts", json={}).json()["id"]
+    run(alpha, f"{base}/contexts/{ctx}/run", "kept = 1")
+    stubborn = (
+        "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "print('stuck', flush=True)\ntime.sleep(300)"
+    )
+    started = time.monotonic()
+    with alpha.stream(
+        "POST", f"{base}/contexts/{ctx}/run", json={"code": stubborn, "timeout": 1}
+    ) as first:
+        lines = first.iter_lines()
+        assert any("stuck" in line for line in lines)
+        # the next run, behind it in the context: answered while the first still runs
+        with httpx.Client(base_url=str(alpha.base_url), headers=alpha.headers) as other:
+            with other.stream(
+                "POST", f"{base}/contexts/{ctx}/run", json={"code": "after = 2; after"}
+            ) as second:
+                assert second.status_code == 200
+                rest = list(lines)  # the first run to its end
+                assert "".join(rest).count("KernelRestarted") == 1, rest
+                assert any("TimeoutError" in line for line in rest)
+                behind = "".join(second.iter_lines())
+    # without the restart the first run would hold the context for its 300 s
+    assert time.monotonic() - started < 60
+    assert '"text": "2"' in behind, behind
+    # a fresh kernel: what the context held before is gone, and it runs on
+    fresh = run(alpha, f"{base}/contexts/{ctx}/run", "kept")
+    assert of(fresh, "error")[0]["name"] == "NameError"
+    assert of(run(alpha, f"{base}/contexts/{ctx}/run", "after + 1"), "result")[0]["text"] == "3"
+
+
+def test_a_client_that_leaves_before_its_turn_drops_its_run_only(
+    alpha: httpx.Client, sandbox: str
+) -> None:
+    base = f"/api/v1/sandboxes/{sandbox}"
+    ctx = alpha.post(f"{base}/contexts", json={}).json()["id"]
+    looping = "import time\nwhile True:\n    print('tick', flush=True)\n    time.sleep(0.2)"
+    with alpha.stream(
+        "POST", f"{base}/contexts/{ctx}/run", json={"code": looping, "timeout": 120}
+    ) as first:
+        lines = first.iter_lines()
+        assert any("tick" in line for line in lines)
+        with httpx.Client(base_url=str(alpha.base_url), headers=alpha.headers) as other:
+            with other.stream(
+                "POST", f"{base}/contexts/{ctx}/run", json={"code": "dropped_ran = True"}
+            ) as second:
+                assert second.status_code == 200  # and it hangs up before its turn
+        # the first run goes on: the interrupt of the client that left was not its
+        seen: list[str] = []
+        until = time.monotonic() + 3
+        for line in lines:
+            seen.append(line)
+            if time.monotonic() > until:
+                break
+        assert not any("error" in line for line in seen), seen
+        assert sum("tick" in line for line in seen) >= 5
+    # the first client left too: its loop is interrupted, and the dropped run never ran
+    after = run(alpha, f"{base}/contexts/{ctx}/run", "dropped_ran", timeout=60)
+    assert of(after, "error")[0]["name"] == "NameError", after
+
+
+def test_bash_commands_that_ignore_their_interrupt_get_a_fresh_shell(
+    alpha: httpx.Client, sandbox: str
+) -> None:
+    base = f"/api/v1/sandboxes/{sandbox}"
+    ctx = alpha.post(f"{base}/contexts", json={"language": "bash"}).json()["id"]
+    run(alpha, f"{base}/contexts/{ctx}/run", "kept=5")
+    started = time.monotonic()
+    stuck = run(alpha, f"{base}/contexts/{ctx}/run", "trap '' INT; sleep 300", timeout=1)
+    assert time.monotonic() - started < 60
+    assert [e["name"] for e in of(stuck, "error")] == ["TimeoutError", "KernelRestarted"]
+    # the new shell's output is its own (the killed one's readers end in their own queue)
+    for _ in range(3):
+        fresh = run(alpha, f"{base}/contexts/{ctx}/run", "echo [$kept]")
+        assert of(fresh, "error") == [] and of(fresh, "stdout")[0]["text"] == "[]\n", fresh

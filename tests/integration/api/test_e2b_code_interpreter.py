@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 
@@ -85,3 +87,23 @@ def test_bash_through_the_sdk(sbx: Sandbox) -> None:
     assert apart.logs.stdout == ["[]\n"], "a second bash context is another shell"
     failed = sbx.run_code("false", context=shell)
     assert failed.error is not None and failed.error.name == "CommandExitError"
+
+
+def test_a_quiet_run_beats_and_the_sdk_reads_past_the_beats(
+    sbx: Sandbox, deployment: Deployment
+) -> None:
+    """A cell quiet for longer than 5 s gets `keepalive` lines, as E2B's own server sends
+    (a client's read timeout, or a proxy, would take silence for a dead stream)."""
+    headers = {
+        "E2b-Sandbox-Id": sbx.sandbox_id,
+        "E2b-Sandbox-Port": "49999",
+        "X-Access-Token": str(sbx._envd_access_token),
+    }
+    body = {"code": "import time; time.sleep(6); 6 * 7"}
+    with httpx.stream(
+        "POST", f"{deployment.url}/execute", json=body, headers=headers, timeout=60
+    ) as answer:
+        assert answer.status_code == 200, answer.read()
+        kinds = [json.loads(line)["type"] for line in answer.iter_lines() if line]
+    assert "keepalive" in kinds and kinds[-1] == "end_of_execution", kinds
+    assert sbx.run_code("import time; time.sleep(6); 6 * 7").text == "42"

@@ -3,10 +3,11 @@
 `POST /execute` `{code, context_id?, language?, env_vars?}` streams NDJSON lines as the
 `e2b_code_interpreter` SDK parses them: `number_of_executions`, `stdout`/`stderr` `{text,
 timestamp}`, `result` (a MIME bundle), `error` `{name, value, traceback}`, and
-`end_of_execution` last. Without a context it runs in the sandbox's default one. `/contexts`
-creates, lists, deletes and restarts contexts; `/health` answers 204. Errors are plain text
-with their status, which is what this SDK reads (404 NotFound, 502 timeout, others raised
-with the text).
+`end_of_execution` last; `keepalive` whenever 5 s pass without a line (a run quiet, or waiting
+its turn behind another in its context), which the SDK skips. Without a context it runs in
+the sandbox's default one. `/contexts` creates, lists, deletes and restarts contexts;
+`/health` answers 204. Errors are plain text with their status, which is what this SDK reads
+(404 NotFound, 502 timeout, others raised with the text).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
 from sandgate.api import errors as api_errors
+from sandgate.api.beats import keep_alive
 from sandgate.api.deps import Services
 from sandgate.api.e2b.caller import EnvdCaller
 from sandgate.control.contexts import LANGUAGES, Context
@@ -26,6 +28,8 @@ from sandgate.errors import InvalidRequestError, SandgateError
 
 INTERPRETER_PORT = 49999
 MAX_BODY = 8 << 20
+KEEPALIVE_SECONDS = 5.0  # E2B's own server beats this often
+KEEPALIVE_LINE = b'{"type":"keepalive"}\n'
 
 
 def _context_out(context: Context) -> dict[str, str]:
@@ -105,7 +109,10 @@ async def _execute(body: dict[str, Any], svc: Services, who: EnvdCaller) -> Resp
     )
 
     async def lines() -> AsyncIterator[bytes]:
-        async for event in events:
-            yield (json.dumps(event, separators=(",", ":")) + "\n").encode()
+        async for event in keep_alive(events, KEEPALIVE_SECONDS):
+            if event is None:
+                yield KEEPALIVE_LINE
+            else:
+                yield (json.dumps(event, separators=(",", ":")) + "\n").encode()
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")

@@ -8,14 +8,14 @@ that goes away interrupts the code. See control/contexts.py.
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Response
 from fastapi.responses import StreamingResponse
 
+from sandgate.api.beats import keep_alive
 from sandgate.api.deps import Services, services, tenant
 from sandgate.api.responses import AGENT, JSON_BODY, TENANT, error_docs
 from sandgate.api.schemas import CodeContextOut, CreateCodeContext, RunCode
@@ -86,7 +86,8 @@ async def _stream(
     timeout = body.timeout if body.timeout is not None else svc.settings.default_exec_timeout
     if timeout > svc.settings.max_exec_timeout:
         raise InvalidRequestError(f"timeout is at most {svc.settings.max_exec_timeout:g} seconds")
-    # a context that does not exist is a 404 before the stream's 200
+    # a context that does not exist is a 404 before the stream's 200; a run waiting its turn
+    # behind another has its 200, and the beats
     events = await svc.contexts.start_run(
         who, name, context_id, body.code, env=body.env, time_limit=timeout, language=body.language
     )
@@ -111,28 +112,6 @@ async def _stream(
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
-
-
-async def keep_alive(
-    events: AsyncIterator[dict[str, Any]], every: float
-) -> AsyncGenerator[dict[str, Any] | None, None]:
-    """`events`, with None whenever `every` seconds pass without one (the wait for the
-    event goes on: it is never cancelled for the beat)."""
-    while True:
-        waiting = asyncio.ensure_future(anext(events))
-        try:
-            while not waiting.done():
-                await asyncio.wait({waiting}, timeout=every)
-                if not waiting.done():
-                    yield None
-            try:
-                event = waiting.result()
-            except StopAsyncIteration:
-                return
-        finally:
-            if not waiting.done():
-                waiting.cancel()
-        yield event
 
 
 def _event(kind: str, body: dict[str, Any]) -> bytes:
