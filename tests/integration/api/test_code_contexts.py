@@ -6,8 +6,10 @@ it on the host root every sandbox starts from).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -31,6 +33,27 @@ def run(client: httpx.Client, path: str, code: str, **body: Any) -> list[tuple[s
 
 def of(events: list[tuple[str, Any]], kind: str) -> list[Any]:
     return [body for name, body in events if name == kind]
+
+
+@contextlib.contextmanager
+def running(
+    client: httpx.Client, path: str, code: str, *, timeout: float, until: str
+) -> Iterator[Iterator[str]]:
+    """A run in progress: its stream's lines, read up to the first with `until` in it."""
+    with client.stream("POST", path, json={"code": code, "timeout": timeout}) as answer:
+        lines = answer.iter_lines()
+        assert any(until in line for line in lines)
+        yield lines
+
+
+@contextlib.contextmanager
+def behind(client: httpx.Client, path: str, code: str) -> Iterator[httpx.Response]:
+    """Another client's run in the same context, sent while one runs there: answered 200
+    at once."""
+    with httpx.Client(base_url=str(client.base_url), headers=client.headers) as other:
+        with other.stream("POST", path, json={"code": code}) as answer:
+            assert answer.status_code == 200
+            yield answer
 
 
 def test_state_results_errors_and_isolation(alpha: httpx.Client, sandbox: str) -> None:
@@ -179,24 +202,17 @@ def test_code_that_ignores_its_interrupt_has_its_kernel_restarted(
         "print('stuck', flush=True)\ntime.sleep(300)"
     )
     started = time.monotonic()
-    with alpha.stream(
-        "POST", f"{base}/contexts/{ctx}/run", json={"code": stubborn, "timeout": 1}
-    ) as first:
-        lines = first.iter_lines()
-        assert any("stuck" in line for line in lines)
+    path = f"{base}/contexts/{ctx}/run"
+    with running(alpha, path, stubborn, timeout=1, until="stuck") as lines:
         # the next run, behind it in the context: answered while the first still runs
-        with httpx.Client(base_url=str(alpha.base_url), headers=alpha.headers) as other:
-            with other.stream(
-                "POST", f"{base}/contexts/{ctx}/run", json={"code": "after = 2; after"}
-            ) as second:
-                assert second.status_code == 200
-                rest = list(lines)  # the first run to its end
-                assert "".join(rest).count("KernelRestarted") == 1, rest
-                assert any("TimeoutError" in line for line in rest)
-                behind = "".join(second.iter_lines())
+        with behind(alpha, path, "after = 2; after") as second:
+            rest = list(lines)  # the first run to its end
+            assert "".join(rest).count("KernelRestarted") == 1, rest
+            assert any("TimeoutError" in line for line in rest)
+            after = "".join(second.iter_lines())
     # without the restart the first run would hold the context for its 300 s
     assert time.monotonic() - started < 60
-    assert '"text": "2"' in behind, behind
+    assert '"text": "2"' in after, after
     # a fresh kernel: what the context held before is gone, and it runs on
     fresh = run(alpha, f"{base}/contexts/{ctx}/run", "kept")
     assert of(fresh, "error")[0]["name"] == "NameError"
@@ -209,16 +225,10 @@ def test_a_client_that_leaves_before_its_turn_drops_its_run_only(
     base = f"/api/v1/sandboxes/{sandbox}"
     ctx = alpha.post(f"{base}/contexts", json={}).json()["id"]
     looping = "import time\nwhile True:\n    print('tick', flush=True)\n    time.sleep(0.2)"
-    with alpha.stream(
-        "POST", f"{base}/contexts/{ctx}/run", json={"code": looping, "timeout": 120}
-    ) as first:
-        lines = first.iter_lines()
-        assert any("tick" in line for line in lines)
-        with httpx.Client(base_url=str(alpha.base_url), headers=alpha.headers) as other:
-            with other.stream(
-                "POST", f"{base}/contexts/{ctx}/run", json={"code": "dropped_ran = True"}
-            ) as second:
-                assert second.status_code == 200  # and it hangs up before its turn
+    path = f"{base}/contexts/{ctx}/run"
+    with running(alpha, path, looping, timeout=120, until="tick") as lines:
+        with behind(alpha, path, "dropped_ran = True"):
+            pass  # and it hangs up before its turn
         # the first run goes on: the interrupt of the client that left was not its
         seen: list[str] = []
         until = time.monotonic() + 3
