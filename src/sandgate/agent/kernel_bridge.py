@@ -152,7 +152,7 @@ class Bridge:
     def silent(self, code: str) -> None:
         if not self.manager.is_alive():
             return
-        msg_id = self.client.execute(code, silent=True, store_history=False)
+        msg_id = self.client.execute(code, silent=True, store_history=False, stop_on_error=False)
         self.drain(msg_id, None, timeout=30)
 
     def execute(self, run: str, code: str, timeout: float | None) -> bool:
@@ -166,7 +166,12 @@ class Bridge:
                 traceback="",
             )
             return False
-        msg_id = self.client.execute(code, store_history=True, allow_stdin=False)
+        # runs go to the kernel one at a time already; with stop_on_error, ipykernel would
+        # abort a run that reaches it just after an error or an interrupt (no output, no
+        # count: it never ran)
+        msg_id = self.client.execute(
+            code, store_history=True, allow_stdin=False, stop_on_error=False
+        )
         return self.drain(msg_id, run, timeout)
 
     def drain(self, msg_id: str, run: str | None, timeout: float | None) -> bool:
