@@ -59,6 +59,14 @@ def _context_of(process: Process) -> Context | None:
     return Context(context_id, language, cwd, process.pid, process.output_end)
 
 
+async def _prepend(
+    first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]
+) -> AsyncIterator[dict[str, Any]]:
+    yield first
+    async for event in rest:
+        yield event
+
+
 def check_context_id(context_id: str) -> None:
     if not 0 < len(context_id) <= 64 or not set(context_id) <= CONTEXT_ID_CHARS:
         raise InvalidRequestError("a context id is 1-64 characters of a-z, 0-9 and '-'")
@@ -131,10 +139,11 @@ class ContextService:
         language: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """The run handed to its context, and its events (`number_of_executions`, `stdout`,
-        `stderr`, `result`, `error`, ending with `end_of_execution`) to follow. A context that
-        does not exist raises here, before a stream has answered; a run waiting behind
-        another in its context has its stream answered already (so its client sees the beats,
-        not silence). Without a context id, in the default context of `language` (python if
+        `stderr`, `result`, `error`, ending with `end_of_execution`) to follow, its first
+        event read already. A context that does not exist raises here, before a stream has
+        answered; a run waiting behind another waits here for its turn (at most that run's
+        timeout and KILL_GRACE, then its kernel is restarted), and a client that leaves
+        meanwhile drops it. Without a context id, in the default context of `language` (python if
         none), made by the first run that needs it."""
         language = language or "python"
         if context_id is None and language not in DEFAULT_CONTEXTS:
@@ -161,7 +170,9 @@ class ContextService:
                     raise
                 await self.default(tenant, name, language)
                 continue
-            return self._follow_run(tenant, name, pid, offset, run_id)
+            events = self._follow_run(tenant, name, pid, offset, run_id)
+            first = await anext(events)  # the stream answers once the run has its turn
+            return _prepend(first, events)
         raise AssertionError("unreachable")
 
     async def _ready(self, tenant: TenantId, name: str, context: Context) -> Context:

@@ -3,9 +3,9 @@
 `POST /execute` `{code, context_id?, language?, env_vars?}` streams NDJSON lines as the
 `e2b_code_interpreter` SDK parses them: `number_of_executions`, `stdout`/`stderr` `{text,
 timestamp}`, `result` (a MIME bundle), `error` `{name, value, traceback}`, and
-`end_of_execution` last; `keepalive` whenever 5 s pass without a line (a run quiet, or waiting
-its turn behind another in its context), which the SDK skips. Without a context it runs in
-the sandbox's default one. `/contexts` creates, lists, deletes and restarts contexts;
+`end_of_execution` last; `keepalive` whenever 5 s pass without a line (a quiet cell),
+which the SDK skips. Without a context it runs in the sandbox's default one. `/contexts`
+creates, lists, deletes and restarts contexts;
 `/health` answers 204. Errors are plain text with their status, which is what this SDK reads
 (404 NotFound, 502 timeout, others raised with the text).
 """

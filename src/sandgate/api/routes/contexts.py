@@ -86,8 +86,7 @@ async def _stream(
     timeout = body.timeout if body.timeout is not None else svc.settings.default_exec_timeout
     if timeout > svc.settings.max_exec_timeout:
         raise InvalidRequestError(f"timeout is at most {svc.settings.max_exec_timeout:g} seconds")
-    # a context that does not exist is a 404 before the stream's 200; a run waiting its turn
-    # behind another has its 200, and the beats
+    # a context that does not exist is a 404 before the stream's 200
     events = await svc.contexts.start_run(
         who, name, context_id, body.code, env=body.env, time_limit=timeout, language=body.language
     )
