@@ -357,8 +357,10 @@ def test_run_code_repl_through_a_pseudo_terminal(env: dict[str, str], name: str)
         screen.type(b"1/0\r")
         screen.expect(b"ZeroDivisionError")
         screen.expect(b">>> ")
-        screen.type(b"import time; time.sleep(60)\r")
-        time.sleep(1.5)
+        # Ctrl-C once the code runs (its output is in): readline has given the terminal
+        # back by then, so ^C is a signal (a fixed pause lost that race on a loaded machine)
+        screen.type(b"import time; print('sleep' + 'ing', flush=True); time.sleep(60)\r")
+        screen.expect(b"sleeping\r\n", timeout=30)
         screen.type(b"\x03")  # Ctrl-C: the run's stream closes, the kernel is interrupted
         screen.expect(b"KeyboardInterrupt")
         screen.expect(b">>> ", timeout=30)
