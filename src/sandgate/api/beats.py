@@ -1,5 +1,5 @@
-"""A stream's beat: what keeps a long, quiet stream (a code run waiting for output, or for
-its turn in its context) from looking dead to its client's read timeout and to idle proxies.
+"""A stream's beat: what keeps a long, quiet stream (a code run waiting for output) from
+looking dead to its client's read timeout and to idle proxies.
 """
 
 from __future__ import annotations

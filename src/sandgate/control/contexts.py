@@ -142,9 +142,9 @@ class ContextService:
         `stderr`, `result`, `error`, ending with `end_of_execution`) to follow, its first
         event read already. A context that does not exist raises here, before a stream has
         answered; a run waiting behind another waits here for its turn (at most that run's
-        timeout and KILL_GRACE, then its kernel is restarted), and a client that leaves
-        meanwhile drops it. Without a context id, in the default context of `language` (python if
-        none), made by the first run that needs it."""
+        timeout and KILL_GRACE, then its kernel is restarted). Without a context id, in the
+        default context of `language` (python if none), made by the first run that needs
+        it."""
         language = language or "python"
         if context_id is None and language not in DEFAULT_CONTEXTS:
             raise InvalidRequestError(

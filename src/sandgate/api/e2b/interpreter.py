@@ -5,9 +5,9 @@
 timestamp}`, `result` (a MIME bundle), `error` `{name, value, traceback}`, and
 `end_of_execution` last; `keepalive` whenever 5 s pass without a line (a quiet cell),
 which the SDK skips. Without a context it runs in the sandbox's default one. `/contexts`
-creates, lists, deletes and restarts contexts;
-`/health` answers 204. Errors are plain text with their status, which is what this SDK reads
-(404 NotFound, 502 timeout, others raised with the text).
+creates, lists, deletes and restarts contexts; `/health` answers 204. Errors are plain text
+with their status, which is what this SDK reads (404 NotFound, 502 timeout, others raised
+with the text).
 """
 
 from __future__ import annotations
