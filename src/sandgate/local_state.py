@@ -60,10 +60,10 @@ AGENT_STATE: Mapping[str, StateRow] = MappingProxyType(
         "agent": StateRow(
             "the in-sandbox agent's open file handles, exec process groups, background processes "
             "and terminals with their output buffers, directory watches with their events, "
-            "connections to the sandbox's ports",
+            "connections to the sandbox's ports, the request threads kept for the next request",
             "64 handles; 256 processes/terminals with at most 1 MiB of output each; 64 watches "
             "with at most 10,000 events each; 256 port connections, each holding at most one "
-            "read's answer (1 MiB) and 8 writes",
+            "read's answer (1 MiB) and 8 writes; 4 idle request threads, each for 10 s",
             "per-process by nature: one agent process per sandbox, gone with it",
         ),
     }
@@ -118,6 +118,12 @@ AGENT_GROWTH: tuple[tuple[str, str, str], ...] = (
         "the directories a watch watches; names a new directory's first scan reported",
         "the directories below the watched one, at most the kernel's "
         "fs.inotify.max_user_watches; `pending` is emptied whenever the kernel's queue is",
+    ),
+    (
+        "agent `Threads._calls`",
+        "requests handed to a request thread that waits for one",
+        "at most the threads waiting: 4 (`MAX_IDLE`), each for at most 10 s (`IDLE_SECONDS`); "
+        "a request with none waiting gets a thread of its own",
     ),
     (
         "agent exec output",

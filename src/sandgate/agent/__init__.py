@@ -14,6 +14,7 @@ MODULES = (
     "frames",  # the wire format (shared with the control plane)
     "request",  # Header, AgentError, request field readers
     "log",  # one line on stderr per event
+    "threads",  # the reused threads requests run on
     "state",  # AgentState: everything the agent keeps in memory; open file handles
     "paths",  # sandbox paths onto the real filesystem, entries, OS errors
     "files",  # file operations and open handles

@@ -16,9 +16,10 @@ memory is the one ``AgentState`` (state.py) made by main() and handed to every o
 Startup is on the sandbox-create latency path and one agent idles in every sandbox, so only
 cheap modules are imported here; subprocess, selectors, shutil, procs.py (with children.py
 and output.py), watch.py and ports.py are imported on first use and ctypes (malloc tuning)
-just after the ready event. Each request runs on a daemon thread of its own, except that the
-operations on one handle run one after another in arrival order and port requests are served
-by the port loop; stderr is the agent's log.
+just after the ready event. Each request runs on a daemon thread of its own (threads.py
+keeps a few that served a request for the next ones), except that the operations on one
+handle run one after another in arrival order and port requests are served by the port
+loop; stderr is the agent's log.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import json
 import os
 import signal
 import sys
-import threading
 from functools import partial
 from types import MappingProxyType
 from typing import TYPE_CHECKING, cast
@@ -235,7 +235,8 @@ _PID_OPS = frozenset({"proc_stdin", "pty_write", "pty_resize", "pty_close"})
 
 
 def _dispatch(st: AgentState, request_id: int, req: Header, payload: bytes) -> None:
-    """Called on the reading thread: start the request on a thread of its own."""
+    """Called on the reading thread: start the request on a thread of its own (an idle
+    one of ``st.threads`` if any)."""
     op = req.get("op")
     if op in _PORT_OPS:  # no thread of its own: the port loop serves it (ports.py)
         _submit_port(st, request_id, str(op), req, payload)
@@ -243,7 +244,7 @@ def _dispatch(st: AgentState, request_id: int, req: Header, payload: bytes) -> N
     field = "handle" if op in _HANDLE_OPS else "pid" if op in _PID_OPS else None
     value = req.get(field) if field is not None else None
     if field is None or not isinstance(value, int) or isinstance(value, bool):
-        threading.Thread(target=_serve, args=(st, request_id, req, payload), daemon=True).start()
+        st.threads.run(_serve, st, request_id, req, payload)
         return
     key = (field, value)
     with st.queues_lock:
@@ -252,7 +253,7 @@ def _dispatch(st: AgentState, request_id: int, req: Header, payload: bytes) -> N
             queue.append((request_id, req, payload))
             return
         st.queues[key] = [(request_id, req, payload)]
-    threading.Thread(target=_drain, args=(st, key), daemon=True).start()
+    st.threads.run(_drain, st, key)
 
 
 def _drain(st: AgentState, key: tuple[str, int]) -> None:

@@ -14,8 +14,10 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sandgate.agent import ports, procs, watch
+    from sandgate.agent import ports, procs, threads, watch
     from sandgate.agent.request import Header
+else:
+    import threads
 
 
 class AgentState:
@@ -38,6 +40,7 @@ class AgentState:
         "registry_lock",
         "roots",
         "sandbox_env",
+        "threads",
         "watches",
         "watches_lock",
         "which_cache",
@@ -55,6 +58,8 @@ class AgentState:
         self.python: tuple[str, ...] = ()  # runs programs beside the agent (): its own
         self.sandbox_env = sandbox_env  # the agent's own environment at start
         self.write_lock = threading.Lock()  # one response frame at a time on stdout
+        # the threads requests run on: reused while requests come, at most 4 idle (main.py)
+        self.threads = threads.Threads()
         # exec (execute.py): process groups started, possibly still alive; closing is set
         # under groups_lock by the shutdown, which re-enters it when a signal arrives then
         self.groups_lock = threading.RLock()
