@@ -43,6 +43,7 @@ class Fast:
     worker: WorkerService
     link: MemoryLink
     tasks: list[asyncio.Task[Any]]
+    app: Any  # the FastAPI app, with our middlewares
 
 
 async def until(check: Callable[[], Awaitable[bool]], within: float = 10.0) -> None:
@@ -108,7 +109,7 @@ async def fast_deployment(
         await until(lambda: services.workers.is_connected("fast-worker"))  # serving too
         api, beta = await _client(app, alpha_key), await _client(app, beta_key)
         try:
-            yield Fast(api, beta, services, service, link, tasks)
+            yield Fast(api, beta, services, service, link, tasks, app)
         finally:
             await api.aclose()
             await beta.aclose()

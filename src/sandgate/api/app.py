@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from sandgate.api import errors, openapi, portal
 from sandgate.api.deps import Services
 from sandgate.api.e2b.dispatch import E2BDispatch
+from sandgate.api.hot import HotPaths
 from sandgate.api.internal_auth import InternalAuth
 from sandgate.api.limits import BodyLimit
 from sandgate.api.metrics import ApiMetrics, RequestMetrics
@@ -171,6 +172,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(internal.router)
     app.include_router(admin.router)
     portal.install(app)  # last: /ui's catch-all comes after every API route
+    # innermost of ours: the hot path still has its body limited, metrics, request ids
+    app.add_middleware(HotPaths, fastapi=app)
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_json_bytes,

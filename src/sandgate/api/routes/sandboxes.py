@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 
 from sandgate.api.deps import Services, services, tenant
 from sandgate.api.responses import (
@@ -234,7 +235,8 @@ async def set_network(name: str, body: SetNetwork, who: Tenant, svc: Svc) -> dic
     return network_out(await svc.sandboxes.set_network(who, name, policy_of(body.network)))
 
 
-async def _execute(name: str, body: Execute, who: TenantId, svc: Services) -> dict[str, Any]:
+async def run_execute(name: str, body: Execute, who: TenantId, svc: Services) -> dict[str, Any]:
+    """What `execute` answers (also served by api/hot.py, outside FastAPI's routing)."""
     timeout = body.timeout if body.timeout is not None else svc.settings.default_exec_timeout
     if timeout > svc.settings.max_exec_timeout:
         raise InvalidRequestError(f"timeout is at most {svc.settings.max_exec_timeout:g} seconds")
@@ -272,7 +274,7 @@ async def execute_by_query(
     body: Execute, who: Tenant, svc: Svc, sandbox: Annotated[str, Query(min_length=1)]
 ) -> JSONResponse:
     # built from the validated reply already: skip a second validation on the hot path
-    return JSONResponse(await _execute(sandbox, body, who, svc))
+    return JSONResponse(await run_execute(sandbox, body, who, svc))
 
 
 @router.post(
@@ -281,4 +283,10 @@ async def execute_by_query(
     responses=error_docs(TENANT, JSON_BODY, AGENT),
 )
 async def execute(name: str, body: Execute, who: Tenant, svc: Svc) -> JSONResponse:
-    return JSONResponse(await _execute(name, body, who, svc))
+    return JSONResponse(await run_execute(name, body, who, svc))
+
+
+def execute_route() -> APIRoute:
+    """The route of `execute`, which api/hot.py answers for (its path labels metrics and
+    the request log)."""
+    return next(r for r in router.routes if isinstance(r, APIRoute) and r.endpoint is execute)
