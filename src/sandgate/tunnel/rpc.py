@@ -102,20 +102,21 @@ class RpcChannel:
         self._next_id += 1
         future: asyncio.Future[tuple[Header, bytes]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
+        slow: asyncio.TimerHandle | None = None
         try:
             await self.send_frame({**fields, "id": request_id, "op": op}, payload)
+            if on_slow is not None and slow_after is not None and wait is not None:
+                slow = asyncio.get_running_loop().call_later(slow_after, on_slow)
+            # the task waits on the answer's future itself: no wait_for or shield in between,
+            # each of which costs the answer a turn of the loop before this task resumes
             try:
-                if on_slow is not None and slow_after is not None and wait is not None:
-                    try:
-                        header, body = await asyncio.wait_for(asyncio.shield(future), slow_after)
-                    except TimeoutError:
-                        on_slow()
-                        header, body = await asyncio.wait_for(future, wait - slow_after)
-                else:
-                    header, body = await asyncio.wait_for(future, wait)
+                async with asyncio.timeout(wait):
+                    header, body = await future
             except TimeoutError:
                 raise NoAnswerError(f"{self.name}: no answer to {op!r} within {wait:g} s") from None
         finally:
+            if slow is not None:
+                slow.cancel()
             self._pending.pop(request_id, None)
         if not header.get("ok"):
             raise remote_error(header)
