@@ -120,6 +120,13 @@ AGENT_GROWTH: tuple[tuple[str, str, str], ...] = (
         "fs.inotify.max_user_watches; `pending` is emptied whenever the kernel's queue is",
     ),
     (
+        "agent heaps (glibc malloc)",
+        "freed buffers of file chunks, frames and exec output (up to 4 MiB each), kept for "
+        "the next request",
+        "4 MiB free per heap (`HEAP_KEPT_BYTES`), two heaps (`HEAPS`); all of it given back "
+        "(malloc_trim) once a request thread has been idle 10 s (`IDLE_SECONDS`)",
+    ),
+    (
         "agent `Threads._calls`",
         "requests handed to a request thread that waits for one",
         "at most the threads waiting: 4 (`MAX_IDLE`), each for at most 10 s (`IDLE_SECONDS`); "

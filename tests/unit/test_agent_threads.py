@@ -87,3 +87,22 @@ def test_no_call_is_lost_while_threads_time_out() -> None:
             time.sleep(0.0005)
     until(lambda: len(counts) == 3000)
     assert set(counts.values()) == {1}
+
+
+def test_a_thread_idle_long_enough_calls_on_idle() -> None:
+    threads = Threads(idle_seconds=0.05)
+    idled = threading.Event()
+    threads.on_idle = idled.set
+    threads.run(lambda: None)
+    assert idled.wait(WAIT)
+
+
+def test_a_busy_thread_does_not_call_on_idle() -> None:
+    threads = Threads(idle_seconds=WAIT)
+    idled = threading.Event()
+    threads.on_idle = idled.set
+    done = threading.Semaphore(0)
+    for _ in range(20):
+        threads.run(done.release)
+        assert done.acquire(timeout=WAIT)
+    assert not idled.is_set()

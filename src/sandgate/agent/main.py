@@ -51,6 +51,11 @@ else:
     from state import AgentState
 
 PROTOCOL_VERSION = 1
+# malloc (_tune_malloc): buffers up to this size come from the heap; each heap keeps this much
+# free for the next request; at most this many heaps
+HEAP_BUFFER_BYTES = 4 << 20
+HEAP_KEPT_BYTES = 4 << 20
+HEAPS = 2
 
 
 # --------------------------------------------------------------------------- procs
@@ -301,14 +306,20 @@ def _fatal(st: AgentState, message: str) -> None:
     _shutdown(st, 2)
 
 
-def _tune_malloc() -> None:
-    """Keep an idle agent small after a burst of large requests (glibc only; best effort).
+def _tune_malloc(st: AgentState) -> None:
+    """Reuse the memory of large requests while they come, give it back once idle (glibc
+    only; best effort).
 
     By default glibc raises its mmap threshold each time a large block is freed, so the MiB
     buffers of exec output and file transfer end up in heaps that are never given back (an
-    agent stayed at ~45 MiB after a few uploads instead of ~9 MiB). A fixed threshold keeps
-    them mmap'ed and returned on free. Done in-process, not via MALLOC_* environment
-    variables, which the commands run by exec would inherit.
+    agent stayed at ~45 MiB after a few uploads instead of ~9 MiB). Forcing such buffers to be
+    mmap'ed (a 128 KiB threshold, until session 14) gave them back on free, but then every
+    buffer was new memory: ~0.3 ms of page faults per MiB inside a sandbox, several per file
+    transferred (docs/benchmarks.md, "Session 14"). Now buffers up to 4 MiB (a file chunk, a
+    frame, an exec's output) come from the heap, which keeps up to 4 MiB free for the next
+    request, and a request thread that ends after its idle wait (threads.py) trims the
+    heaps back (``malloc_trim``). Done in-process, not via MALLOC_* environment variables,
+    which the commands run by exec would inherit.
     """
     try:
         import ctypes
@@ -318,8 +329,10 @@ def _tune_malloc() -> None:
         # or descriptors taken (/proc/<pid>/mem, pidfd_getfd) or our /proc/<pid>/fd read.
         if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
             log(f"WARNING: prctl(PR_SET_DUMPABLE, 0) failed: errno {ctypes.get_errno()}")
-        libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
-        libc.mallopt(-8, 2)  # M_ARENA_MAX: not one heap per request thread
+        libc.mallopt(-3, HEAP_BUFFER_BYTES)  # M_MMAP_THRESHOLD (fixed: never raised past)
+        libc.mallopt(-1, HEAP_KEPT_BYTES)  # M_TRIM_THRESHOLD
+        libc.mallopt(-8, HEAPS)  # M_ARENA_MAX: not one heap per request thread
+        st.threads.on_idle = partial(libc.malloc_trim, 0)
     except (ImportError, OSError, AttributeError) as exc:
         log(f"malloc tuning unavailable: {exc}")
 
@@ -396,7 +409,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, partial(_on_signal, st))
     ready = {"event": "ready", "pid": os.getpid(), "version": PROTOCOL_VERSION}
     _write_frame(st, frames.encode(ready))
-    _tune_malloc()  # after the ready event (off the create latency path), before any request
+    _tune_malloc(st)  # after the ready event (off the create latency path), before any request
     stdin = sys.stdin.buffer
     while True:
         try:

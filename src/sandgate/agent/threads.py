@@ -33,7 +33,7 @@ class Threads:
     none is pending, by timing out.
     """
 
-    __slots__ = ("_calls", "_idle", "_idle_seconds", "_max_idle", "_ready")
+    __slots__ = ("_calls", "_idle", "_idle_seconds", "_max_idle", "_ready", "on_idle")
 
     def __init__(self, *, idle_seconds: float = IDLE_SECONDS, max_idle: int = MAX_IDLE) -> None:
         self._ready = threading.Condition(threading.Lock())
@@ -41,6 +41,9 @@ class Threads:
         self._idle = 0  # threads waiting in _next
         self._idle_seconds = idle_seconds
         self._max_idle = max_idle
+        # called by a thread that ends after waiting idle_seconds for a call (the agent gives
+        # its heaps' free memory back then); it must not raise
+        self.on_idle: Callable[[], object] | None = None
 
     def run(self, call: Callable[..., None], *args: object) -> None:
         """Start ``call(*args)`` now. It must not raise: what it raises ends its thread."""
@@ -74,8 +77,12 @@ class Threads:
                 while not self._calls:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        return None
+                        break
                     self._ready.wait(remaining)
-                return self._calls.pop(0)
+                else:
+                    return self._calls.pop(0)
             finally:
                 self._idle -= 1
+        if self.on_idle is not None:  # idle this long: outside the lock, it may take a while
+            self.on_idle()
+        return None
