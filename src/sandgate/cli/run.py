@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from sandgate import heap
 from sandgate.cli import logs
 from sandgate.cli.common import DbOpt, LogOpt, _prepare_db, _runner, _worker_runner
 from sandgate.core.egress_policy import DEFAULT_DENY, DEFAULT_SANDBOX_SUBNET
@@ -303,6 +304,7 @@ def server(
         breaker_open=breaker_open,
         faults=active_faults,
     )
+    heap.keep_large_buffers()
     make_server(settings, own_signals=True).run()
 
 
@@ -455,6 +457,7 @@ def worker(
         pools=warm,
         faults=active_faults,
     )
+    heap.keep_large_buffers()
     with _worker_runner() as runner:
         runner.run(run_worker(settings))
 
