@@ -89,6 +89,9 @@ class OutputPage:
 class Download:
     size: int
     chunks: AsyncIterator[bytes]  # closes the sandbox's handle when done or dropped
+    # all of the file, when it came with the open and the sandbox closed its handle: then
+    # `chunks` (never started) need not run
+    whole: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -277,7 +280,8 @@ class Toolbox:
                             self.agent_call(tenant, name, "close_read", {"handle": handle})
                         )
 
-        return Download(size, chunks())
+        whole = head if handle is None and opened.first is not None and len(head) == size else None
+        return Download(size, chunks(), whole)
 
     async def stat(self, tenant: TenantId, name: str, path: str) -> Entry:
         raw, _ = await self.agent_call(tenant, name, "stat", {"path": path})

@@ -9,7 +9,8 @@ import fcntl
 # The agent's pipes: a reader that buffers up to PIPE_LIMIT before it pauses the pipe (the
 # asyncio default, 64 KiB, paused and resumed it many times for one file chunk), and pipes of
 # PIPE_BYTES (the kernel's default is 64 KiB: a 1 MiB chunk took 16 wake-ups on each side).
-# Both are only filled while a frame passes: an idle sandbox holds no buffer.
+# Both are only filled while a frame passes: an idle sandbox holds no buffer. The reader
+# takes up to PIPE_BYTES per read, not asyncio's 256 KiB: a chunk in one wake-up.
 PIPE_LIMIT = 1 << 20
 PIPE_BYTES = 1 << 20
 
@@ -22,3 +23,5 @@ def widen_pipes(process: asyncio.subprocess.Process) -> None:
         if pipe is not None:
             with contextlib.suppress(OSError):
                 fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        if stream is process.stdout and transport is not None and hasattr(transport, "max_size"):
+            transport.max_size = PIPE_BYTES  # _UnixReadPipeTransport's bytes per os.read

@@ -19,10 +19,11 @@ from typing import Any
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from sandgate.api.deps import Services
 from sandgate.api.e2b.caller import EnvdCaller, sandbox_path
+from sandgate.api.routes.files import file_response
 from sandgate.control.replies import Entry
 from sandgate.errors import InvalidRequestError
 
@@ -36,11 +37,7 @@ async def download(request: Request, svc: Services, who: EnvdCaller) -> Response
     opened = await svc.toolbox.download(
         who.tenant, who.sandbox, sandbox_path(path), chunk_bytes=svc.settings.file_chunk_bytes
     )
-    return StreamingResponse(
-        opened.chunks,
-        media_type="application/octet-stream",
-        headers={"Content-Length": str(opened.size)},
-    )
+    return file_response(opened, {})
 
 
 async def upload(request: Request, svc: Services, who: EnvdCaller) -> Response:

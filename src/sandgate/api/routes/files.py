@@ -10,11 +10,12 @@ from typing import Annotated, Any
 from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from sandgate.api.deps import Services, services, tenant
 from sandgate.api.responses import AGENT, DISK, JSON_BODY, PARAMS, RAW_BODY, TENANT, error_docs
 from sandgate.api.schemas import FileEntry, FileList, MakeDir, Move
+from sandgate.control.toolbox import Download
 from sandgate.store.base import TenantId
 
 router = APIRouter(prefix="/api/v1/sandboxes/{name}/toolbox/files", tags=["files"])
@@ -48,21 +49,23 @@ async def upload(name: str, path: PathQuery, request: Request, who: Tenant, svc:
         200: {"content": {"application/octet-stream": {}}},
     },
 )
-async def download(name: str, path: PathQuery, who: Tenant, svc: Svc) -> StreamingResponse:
+async def download(name: str, path: PathQuery, who: Tenant, svc: Svc) -> Response:
     opened = await svc.toolbox.download(who, name, path, chunk_bytes=svc.settings.file_chunk_bytes)
     filename = path.rstrip("/").rsplit("/", 1)[-1] or "download"
     disposition = (
         f'attachment; filename="{_ascii_name(filename)}"; '
         f"filename*=UTF-8''{quote(filename, safe='')}"
     )
-    return StreamingResponse(
-        opened.chunks,
-        media_type="application/octet-stream",
-        headers={
-            "Content-Length": str(opened.size),
-            "Content-Disposition": disposition,
-        },
-    )
+    return file_response(opened, {"Content-Disposition": disposition})
+
+
+def file_response(opened: Download, headers: dict[str, str]) -> Response:
+    """A download's answer: one body when the whole file came with the open (no stream
+    to run: a file of one chunk), else its chunks streamed as they are read."""
+    headers = {"Content-Length": str(opened.size), **headers}
+    if opened.whole is not None:
+        return Response(opened.whole, media_type="application/octet-stream", headers=headers)
+    return StreamingResponse(opened.chunks, media_type="application/octet-stream", headers=headers)
 
 
 @router.delete("", status_code=204, responses=error_docs(TENANT, PARAMS, AGENT))
