@@ -30,13 +30,23 @@ class FrameError(ValueError):
     """A peer sent bytes that are not a valid frame; the link must be closed."""
 
 
+# a payload at least this large is written apart from its head (encode_head), not copied
+# behind it: on a pipe two writes cost less than a copy of the payload
+SEPARATE_PAYLOAD_BYTES = 64 << 10
+
+
 def encode(header: Header, payload: bytes = b"") -> bytes:
+    return encode_head(header, len(payload)) + payload
+
+
+def encode_head(header: Header, payload_bytes: int) -> bytes:
+    """A frame's prefix and header, for a payload of `payload_bytes` sent right after."""
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     if len(raw) > MAX_HEADER_BYTES:
         raise FrameError(f"frame header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise FrameError(f"frame payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
-    return PREFIX.pack(len(raw), len(payload)) + raw + payload
+    if payload_bytes > MAX_PAYLOAD_BYTES:
+        raise FrameError(f"frame payload of {payload_bytes} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    return PREFIX.pack(len(raw), payload_bytes) + raw
 
 
 def lengths(prefix: bytes) -> tuple[int, int]:

@@ -196,11 +196,15 @@ HANDLERS = MappingProxyType(
 )
 
 
-def _write_frame(st: AgentState, data: bytes) -> None:
+def _write_frame(st: AgentState, data: bytes, payload: bytes = b"") -> None:
+    """Write a frame: `data`, then `payload` if given (a large payload goes apart from its
+    head, not copied behind it: frames.encode_head)."""
     out = sys.stdout.buffer
     with st.write_lock:
         try:
             out.write(data)
+            if payload:
+                out.write(payload)
             out.flush()
         except (OSError, ValueError) as exc:  # the worker is gone; stdin EOF follows
             log(f"cannot write a response: {exc}")
@@ -224,12 +228,16 @@ def _serve(st: AgentState, request_id: int, req: Header, payload: bytes) -> None
     except Exception as exc:
         log(f"request {request_id} failed: {exc!r}")
         header = frames.error_header(request_id, "io_error", f"{type(exc).__name__}: {exc}")
+    payload = b""
     try:
-        data = frames.encode(header, body)
+        if len(body) >= frames.SEPARATE_PAYLOAD_BYTES:
+            data, payload = frames.encode_head(header, len(body)), body
+        else:
+            data = frames.encode(header, body)
     except (frames.FrameError, TypeError, ValueError) as exc:
         message = f"the response cannot be sent: {exc}"
-        data = frames.encode(frames.error_header(request_id, "io_error", message))
-    _write_frame(st, data)
+        data, payload = frames.encode(frames.error_header(request_id, "io_error", message)), b""
+    _write_frame(st, data, payload)
 
 
 # Operations on one handle run in arrival order (a worker may pipeline the writes of an

@@ -39,7 +39,9 @@ class AgentLink:
         self._stdout = process.stdout
         self.ready = asyncio.Event()
         self.ready_info: Header = {}
-        self.channel = RpcChannel(self._send, on_event=self._on_event, name=f"agent {name}")
+        self.channel = RpcChannel(
+            self._send, on_event=self._on_event, name=f"agent {name}", send_parts=self._send_parts
+        )
 
     async def serve(self) -> None:
         """Read the agent's frames until its stdout closes (the agent exited)."""
@@ -52,6 +54,11 @@ class AgentLink:
 
     async def _send(self, frame: bytes) -> None:
         self._stdin.write(frame)
+        await self._stdin.drain()
+
+    async def _send_parts(self, head: bytes, payload: bytes) -> None:
+        self._stdin.write(head)
+        self._stdin.write(payload)  # no copy behind the head: the pipe takes most at once
         await self._stdin.drain()
 
     async def _next_frame(self) -> tuple[Header, bytes] | None:
