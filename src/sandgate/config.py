@@ -65,8 +65,8 @@ class ServerSettings(_Frozen):
     faults: frozenset[str] = frozenset()  # test fault points (sandgate.faults)
     # admission, counted in the store for the whole deployment (sandgate.control.admission)
     admission: bool = True  # off only to measure what it costs (bench/)
-    # execute answered by api/hot.py, outside FastAPI's routing; off: through FastAPI like
-    # every other route (the two answer alike: tests compare them, bench/ measures)
+    # execute and file transfers answered by api/hot.py, outside FastAPI's routing; off:
+    # through FastAPI like every other route (the two answer alike: tests compare them)
     hot_paths: bool = True
     queue_limit: int = Field(default=500, ge=0)  # creates waiting for worker capacity
     queue_timeout: float = 120.0  # a queued create gives up after this (503 queue_timeout)

@@ -1,7 +1,8 @@
-"""api/hot.py answers `execute` as the FastAPI route does: the same requests, sent to a
-deployment with the hot path and to one without it (`hot_paths=False`), get the same status,
-media type and body (the sandbox's name and the run's duration aside). And the hot path is
-the one answering: a valid request never reaches the app behind it, an invalid one does."""
+"""api/hot.py answers `execute` and a file's upload and download as the FastAPI routes do:
+the same requests, sent to a deployment with the hot path and to one without it
+(`hot_paths=False`), get the same status, media type, file headers and body (the sandbox's
+name and the run's duration aside). And the hot path is the one answering: a valid request
+never reaches the app behind it, an invalid one does."""
 
 from __future__ import annotations
 
@@ -58,10 +59,40 @@ CASES: list[tuple[str, str, dict[str, str], bytes, str | None]] = [
 ]
 
 
+BIG = bytes(range(256)) * (10 << 10)  # 2.5 MiB: streamed in chunks both ways
+FILE = "/api/v1/sandboxes/{name}/toolbox/files"
+# (what it checks, tenant, method, query, body, sandbox name or None for the tenant's own)
+FILE_CASES: list[tuple[str, str, str, dict[str, str], bytes, str | None]] = [
+    ("upload", "alpha", "PUT", {"path": "a.bin"}, b"\x00\xffdata", None),
+    ("download", "alpha", "GET", {"path": "a.bin"}, b"", None),
+    ("upload empty", "alpha", "PUT", {"path": "/tmp/empty"}, b"", None),
+    ("download empty", "alpha", "GET", {"path": "/tmp/empty"}, b"", None),
+    ("upload big", "alpha", "PUT", {"path": "big.bin"}, BIG, None),
+    ("download big", "alpha", "GET", {"path": "big.bin"}, b"", None),
+    ("unicode name", "alpha", "PUT", {"path": "d\u00e9j\u00e0 vu.txt"}, b"x", None),
+    ("download unicode name", "alpha", "GET", {"path": "d\u00e9j\u00e0 vu.txt"}, b"", None),
+    ("download missing", "alpha", "GET", {"path": "nope.txt"}, b"", None),
+    ("download a directory", "alpha", "GET", {"path": "/workspace"}, b"", None),
+    ("upload makes its directories", "alpha", "PUT", {"path": "no/such/dir/f"}, b"x", None),
+    ("upload outside", "alpha", "PUT", {"path": "/etc/passwd"}, b"x", None),
+    ("no path", "alpha", "GET", {}, b"", None),
+    ("empty path", "alpha", "PUT", {"path": ""}, b"x", None),
+    ("path too long", "alpha", "GET", {"path": "a" * 4097}, b"", None),
+    ("no such sandbox file", "alpha", "GET", {"path": "a.bin"}, b"", "sbx-nope"),
+    ("another tenant's file", "beta", "GET", {"path": "a.bin"}, b"", None),
+    ("a wrong key file", "wrong", "PUT", {"path": "a.bin"}, b"x", None),
+]
+FILE_HEADERS = ("content-type", "content-length", "content-disposition")
+
+
 def comparable(answer: httpx.Response, name: str) -> tuple[int, str, Any]:
+    if not answer.headers.get("content-type", "").startswith("application/json"):
+        kept = tuple(answer.headers.get(h) for h in FILE_HEADERS)
+        return answer.status_code, str(kept), answer.content
     body = answer.json()
     if isinstance(body, dict):
         body.pop("duration_ms", None)
+        body.pop("mtime", None)  # an upload's entry: when it was written
     text = json.dumps(body, sort_keys=True).replace(name, "<sandbox>")
     return answer.status_code, answer.headers.get("content-type", ""), json.loads(text)
 
@@ -79,6 +110,13 @@ async def answers(fast: Fast) -> dict[str, tuple[int, str, Any]]:
         answer = await client.post(
             f"/api/v1/sandboxes/{name or own}/execute", content=body, headers=headers
         )
+        assert answer.headers.get("x-request-id"), what
+        got[what] = comparable(answer, own)
+    for what, tenant, method, query, body, name in FILE_CASES:
+        client = clients.get(tenant, fast.api)
+        headers = {} if tenant in clients else {"Authorization": "Bearer sg_not_a_key"}
+        url = FILE.format(name=name or own)
+        answer = await client.request(method, url, params=query, content=body, headers=headers)
         assert answer.headers.get("x-request-id"), what
         got[what] = comparable(answer, own)
     return got
@@ -100,6 +138,10 @@ async def test_the_hot_path_answers_as_the_route_does(tmp_path: Path) -> None:
     assert statuses["a wrong key"] == statuses["a wrong key and a bad body"] == 401
     assert statuses["empty code"] == statuses["unknown language"] == 422
     assert statuses["not JSON"] == 400
+    assert with_hot["download big"][2] == BIG and with_hot["download"][2] == b"\x00\xffdata"
+    assert statuses["download missing"] == statuses["another tenant's file"] == 404
+    assert statuses["no path"] == statuses["empty path"] == statuses["path too long"] == 422
+    assert statuses["upload outside"] == 403 and statuses["a wrong key file"] == 401
 
 
 async def test_a_valid_request_never_reaches_the_app_behind(fast: Fast) -> None:
@@ -127,5 +169,16 @@ async def test_a_valid_request_never_reaches_the_app_behind(fast: Fast) -> None:
             assert sent.status_code == 599
         assert (await client.get(execute)).status_code == 599
         assert (await client.post(execute + "/x", json={"code": "true"})).status_code == 599
-    assert len(reached) == 4
-    assert re.fullmatch(r"/api/v1/sandboxes/[^/]+/execute(/x)?", reached[-1])
+        files = execute.replace("/execute", "/toolbox/files")
+        put = await client.put(files, params={"path": "h.txt"}, content=b"hot")
+        assert (put.status_code, put.json()["size"]) == (200, 3)
+        got = await client.get(files, params={"path": "h.txt"})
+        assert (got.status_code, got.content) == (200, b"hot")
+        assert reached[4:] == []
+        for query in ({}, {"path": ""}, {"path": ["a", "b"]}):
+            assert (await client.get(files, params=query)).status_code == 599
+        assert (await client.delete(files, params={"path": "h.txt"})).status_code == 599
+    assert len(reached) == 8
+    assert all(
+        re.fullmatch(r"/api/v1/sandboxes/[^/]+/(execute(/x)?|toolbox/files)", p) for p in reached
+    )

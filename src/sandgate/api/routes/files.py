@@ -11,6 +11,7 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response, StreamingResponse
+from fastapi.routing import APIRoute
 
 from sandgate.api.deps import Services, services, tenant
 from sandgate.api.responses import AGENT, DISK, JSON_BODY, PARAMS, RAW_BODY, TENANT, error_docs
@@ -112,3 +113,10 @@ async def move(name: str, body: Move, who: Tenant, svc: Svc) -> Any:
 def _ascii_name(filename: str) -> str:
     """The RFC 6266 fallback name: printable ASCII only (the real name is in filename*)."""
     return "".join(c if " " <= c <= "~" and c not in '"\\' else "_" for c in filename)
+
+
+def file_routes() -> tuple[APIRoute, APIRoute]:
+    """The routes of `upload` and `download`, which api/hot.py answers for (their path labels
+    metrics and the request log)."""
+    found = {r.endpoint: r for r in router.routes if isinstance(r, APIRoute)}
+    return found[upload], found[download]
