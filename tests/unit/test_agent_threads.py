@@ -106,3 +106,21 @@ def test_a_busy_thread_does_not_call_on_idle() -> None:
         threads.run(done.release)
         assert done.acquire(timeout=WAIT)
     assert not idled.is_set()
+
+
+def test_a_waiting_thread_keeps_nothing_of_the_call_it_served() -> None:
+    """An idle thread must not pin its last request (a MiB payload) for its whole wait."""
+    import gc
+    import weakref
+
+    class Payload:
+        pass
+
+    threads = Threads(idle_seconds=WAIT)
+    payload = Payload()
+    gone = weakref.ref(payload)
+    threads.run(lambda p: None, payload)
+    del payload
+    until(lambda: threads.idle == 1)
+    gc.collect()
+    assert gone() is None

@@ -52,7 +52,8 @@ class Threads:
                 self._calls.append((call, args))
                 self._ready.notify()
                 return
-        threading.Thread(target=self._serve, args=(call, args), daemon=True).start()
+        # handed over in a list the thread empties: a Thread keeps its args while it runs
+        threading.Thread(target=self._serve, args=([(call, args)],), daemon=True).start()
 
     @property
     def idle(self) -> int:
@@ -60,10 +61,13 @@ class Threads:
         with self._ready:
             return self._idle - len(self._calls)
 
-    def _serve(self, call: Callable[..., None], args: tuple[object, ...]) -> None:
-        job: tuple[Callable[..., None], tuple[object, ...]] | None = (call, args)
+    def _serve(self, first: list[tuple[Callable[..., None], tuple[object, ...]]]) -> None:
+        job: tuple[Callable[..., None], tuple[object, ...]] | None = first.pop()
         while job is not None:
-            job[0](*job[1])
+            run, with_args = job
+            job = None  # nothing of a served request stays referenced while this thread waits
+            run(*with_args)
+            del run, with_args
             job = self._next()
 
     def _next(self) -> tuple[Callable[..., None], tuple[object, ...]] | None:
