@@ -11,7 +11,8 @@ tunnel hop; a file's answer paid about as much. This layer sits inside our own m
 the routes use: the body model (`schemas.Execute`, validated from the raw JSON in one call)
 or the `path` query's bounds, the tenant dependency (`deps.tenant`: key, kind, rate limit),
 the route functions themselves, the same responses (an upload's entry through its
-`FileEntry` model), and the app's own exception handlers for their errors. So the answers
+`FileEntry` model), and the app's own exception handlers for their domain errors (any other
+exception goes on up, as from a route, to the app's outermost layer). So the answers
 are the routes', byte for byte (`tests/fast/test_hot_paths.py` sends the same requests both
 ways).
 
@@ -31,6 +32,7 @@ from urllib.parse import parse_qsl
 from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -89,8 +91,13 @@ class HotPaths:
         self, scope: Scope, receive: Receive, send: Send, name: str, svc: deps.Services
     ) -> None:
         body = await _read(receive)
-        if body is None:
-            return  # the client left, or the body limit answered already
+        if body is None:  # the client left, or the body limit answered already (then it
+            # drops this answer): what FastAPI answers for a body it could not read
+            scope["route"] = self.execute_route
+            unread = HTTPException(400, "There was an error parsing the body")
+            response = await self._handled(HTTPException, Request(scope, receive), unread)
+            await response(scope, receive, send)
+            return
         try:
             request = Execute.model_validate_json(body)
         except ValidationError:
@@ -121,7 +128,9 @@ class HotPaths:
         self, scope: Scope, receive: Receive, send: Send, route: APIRoute, work: Work
     ) -> None:
         """The tenant (as `deps.tenant` gives it), then `work`'s response or the app's own
-        for the error it raised."""
+        for the domain error it raised. Any other exception goes on up, as from a route:
+        the app's outermost layer answers 500 and logs it (a client gone mid-upload is
+        `_Guarded`'s to see, as before)."""
         scope["route"] = route  # what the metrics and the request log label it with
         scope.setdefault("app", self.fastapi)  # the app's own call set it; deps read it
         http = Request(scope, receive)
@@ -129,8 +138,6 @@ class HotPaths:
             response = await work(await deps.tenant(http))
         except e.SandgateError as exc:
             response = await self._handled(e.SandgateError, http, exc)
-        except Exception as exc:
-            response = await self._handled(Exception, http, exc)
         await response(scope, receive, send)
 
     async def _handled(self, kind: type[Exception], request: Request, exc: Exception) -> Response:
