@@ -39,6 +39,14 @@ def encode(header: Header, payload: bytes = b"") -> bytes:
     return encode_head(header, len(payload)) + payload
 
 
+def encode_parts(header: Header, payload: bytes) -> tuple[bytes, bytes]:
+    """A frame as two writes: its head and its payload when the payload is at least
+    SEPARATE_PAYLOAD_BYTES, else the whole frame and nothing."""
+    if len(payload) >= SEPARATE_PAYLOAD_BYTES:
+        return encode_head(header, len(payload)), payload
+    return encode(header, payload), b""
+
+
 def encode_head(header: Header, payload_bytes: int) -> bytes:
     """A frame's prefix and header, for a payload of `payload_bytes` sent right after."""
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()

@@ -228,16 +228,12 @@ def _serve(st: AgentState, request_id: int, req: Header, payload: bytes) -> None
     except Exception as exc:
         log(f"request {request_id} failed: {exc!r}")
         header = frames.error_header(request_id, "io_error", f"{type(exc).__name__}: {exc}")
-    payload = b""
     try:
-        if len(body) >= frames.SEPARATE_PAYLOAD_BYTES:
-            data, payload = frames.encode_head(header, len(body)), body
-        else:
-            data = frames.encode(header, body)
+        data, tail = frames.encode_parts(header, body)
     except (frames.FrameError, TypeError, ValueError) as exc:
         message = f"the response cannot be sent: {exc}"
-        data, payload = frames.encode(frames.error_header(request_id, "io_error", message)), b""
-    _write_frame(st, data, payload)
+        data, tail = frames.encode(frames.error_header(request_id, "io_error", message)), b""
+    _write_frame(st, data, tail)
 
 
 # Operations on one handle run in arrival order (a worker may pipeline the writes of an

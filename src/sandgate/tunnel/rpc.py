@@ -14,14 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from sandgate.agent.frames import (
-    SEPARATE_PAYLOAD_BYTES,
-    FrameError,
-    Header,
-    encode,
-    encode_head,
-    error_header,
-)
+from sandgate.agent.frames import FrameError, Header, encode, encode_parts, error_header
 from sandgate.errors import (
     SandboxTimeoutError,
     SandgateError,
@@ -83,14 +76,15 @@ class RpcChannel:
     async def send_frame(self, header: Header, payload: bytes = b"") -> None:
         if self._closed is not None:
             raise self._closed
-        if self._send_parts is not None and len(payload) >= SEPARATE_PAYLOAD_BYTES:
-            head = encode_head(header, len(payload))
-            async with self._send_lock:
-                await self._send_parts(head, payload)
-            return
-        frame = encode(header, payload)
+        send_parts = self._send_parts
+        frame, tail = (
+            encode_parts(header, payload) if send_parts else (encode(header, payload), b"")
+        )
         async with self._send_lock:
-            await self._send(frame)
+            if send_parts is not None and tail:
+                await send_parts(frame, tail)
+            else:
+                await self._send(frame)
 
     async def call(
         self, op: str, payload: bytes = b"", *, wait: float | None = 30.0, **fields: Any
