@@ -27,24 +27,26 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Awaitable, Callable
+from typing import Any
 from urllib.parse import parse_qsl
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sandgate import errors as e
 from sandgate.api import deps
+from sandgate.api.limits import replay
 from sandgate.api.routes import files, sandboxes
 from sandgate.api.schemas import Execute, FileEntry
 from sandgate.store.base import TenantId
 
 EXECUTE = re.compile(r"/api/v1/sandboxes/([^/]+)/execute")
 FILES = re.compile(r"/api/v1/sandboxes/([^/]+)/toolbox/files")
-MAX_PATH = 4096  # files.PathQuery's max_length
 
 Work = Callable[[TenantId], Awaitable[Response]]
 
@@ -54,7 +56,7 @@ def _file_path(scope: Scope) -> str | None:
     refuse it (missing, empty, too long) or where it comes more than once."""
     query: str = scope.get("query_string", b"").decode("latin-1")
     found = [value for name, value in parse_qsl(query, keep_blank_values=True) if name == "path"]
-    if len(found) != 1 or not 1 <= len(found[0]) <= MAX_PATH:
+    if len(found) != 1 or not 1 <= len(found[0]) <= files.MAX_PATH_CHARS:
         return None
     return found[0]
 
@@ -71,8 +73,9 @@ class HotPaths:
     def __init__(self, app: ASGIApp, *, fastapi: FastAPI) -> None:
         self.app = app
         self.fastapi = fastapi  # its state (services) and exception handlers
-        self.execute_route = sandboxes.execute_route()
-        self.upload_route, self.download_route = files.file_routes()
+        self.execute_route = _route(sandboxes.router, sandboxes.execute)
+        self.upload_route = _route(files.router, files.upload)
+        self.download_route = _route(files.router, files.download)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         svc = getattr(self.fastapi.state, "services", None)
@@ -90,18 +93,20 @@ class HotPaths:
     async def _execute(
         self, scope: Scope, receive: Receive, send: Send, name: str, svc: deps.Services
     ) -> None:
-        body = await _read(receive)
-        if body is None:  # the client left, or the body limit answered already (then it
-            # drops this answer): what FastAPI answers for a body it could not read
+        http = Request(scope, receive)
+        try:
+            body = await http.body()
+        except ClientDisconnect:  # the client left, or the body limit answered already
+            # (then it drops this answer): what FastAPI answers for a body it could not read
             scope["route"] = self.execute_route
             unread = HTTPException(400, "There was an error parsing the body")
-            response = await self._handled(HTTPException, Request(scope, receive), unread)
+            response = await self._handled(HTTPException, http, unread)
             await response(scope, receive, send)
             return
         try:
             request = Execute.model_validate_json(body)
         except ValidationError:
-            await self.app(scope, _replay(body, receive), send)  # FastAPI's 4xx, as ever
+            await self.app(scope, replay(body, receive), send)  # FastAPI's 4xx, as ever
             return
 
         async def work(who: TenantId) -> Response:
@@ -146,26 +151,6 @@ class HotPaths:
         return await response if inspect.isawaitable(response) else response
 
 
-async def _read(receive: Receive) -> bytes | None:
-    body = bytearray()
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        body += message.get("body", b"")
-        if not message.get("more_body", False):
-            return bytes(body)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A receive that gives the body already read once, then whatever the client sends."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
+def _route(router: APIRouter, endpoint: Callable[..., Any]) -> APIRoute:
+    """The route of `endpoint`: its path labels metrics and the request log."""
+    return next(r for r in router.routes if isinstance(r, APIRoute) and r.endpoint is endpoint)

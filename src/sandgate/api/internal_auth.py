@@ -14,9 +14,9 @@ import hashlib
 import hmac
 import time
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sandgate.api.limits import BODY_IDLE_TIMEOUT, reject
+from sandgate.api.limits import BODY_IDLE_TIMEOUT, reject, replay
 from sandgate.core.signing import (
     BODY_DIGEST_HEADER,
     SIGNATURE_HEADER,
@@ -82,13 +82,4 @@ class InternalAuth:
         if not hmac.compare_digest(hashed.hexdigest(), digest):
             await reject(send, 401, "unauthorized", "internal request refused: body altered")
             return
-        delivered = False
-
-        async def replay() -> Message:
-            nonlocal delivered
-            if delivered:
-                return await receive()  # the disconnect, when it comes
-            delivered = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replay(bytes(body), receive), send)

@@ -196,3 +196,18 @@ async def reject(
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A receive for an app behind a middleware that read the whole body first: the body
+    once, then whatever the client sends (its disconnect, when it comes)."""
+    delivered = False
+
+    async def replayed() -> Message:
+        nonlocal delivered
+        if delivered:
+            return await receive()
+        delivered = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed

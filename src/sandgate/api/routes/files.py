@@ -11,7 +11,6 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response, StreamingResponse
-from fastapi.routing import APIRoute
 
 from sandgate.api.deps import Services, services, tenant
 from sandgate.api.responses import AGENT, DISK, JSON_BODY, PARAMS, RAW_BODY, TENANT, error_docs
@@ -23,7 +22,8 @@ router = APIRouter(prefix="/api/v1/sandboxes/{name}/toolbox/files", tags=["files
 
 Tenant = Annotated[TenantId, Depends(tenant)]
 Svc = Annotated[Services, Depends(services)]
-PathQuery = Annotated[str, Query(min_length=1, max_length=4096)]
+MAX_PATH_CHARS = 4096  # a `path` query's bound (api/hot.py checks it the same way)
+PathQuery = Annotated[str, Query(min_length=1, max_length=MAX_PATH_CHARS)]
 
 
 @router.put(
@@ -113,10 +113,3 @@ async def move(name: str, body: Move, who: Tenant, svc: Svc) -> Any:
 def _ascii_name(filename: str) -> str:
     """The RFC 6266 fallback name: printable ASCII only (the real name is in filename*)."""
     return "".join(c if " " <= c <= "~" and c not in '"\\' else "_" for c in filename)
-
-
-def file_routes() -> tuple[APIRoute, APIRoute]:
-    """The routes of `upload` and `download`, which api/hot.py answers for (their path labels
-    metrics and the request log)."""
-    found = {r.endpoint: r for r in router.routes if isinstance(r, APIRoute)}
-    return found[upload], found[download]

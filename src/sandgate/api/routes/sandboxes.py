@@ -7,7 +7,6 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 
 from sandgate.api.deps import Services, services, tenant
 from sandgate.api.responses import (
@@ -284,9 +283,3 @@ async def execute_by_query(
 )
 async def execute(name: str, body: Execute, who: Tenant, svc: Svc) -> JSONResponse:
     return JSONResponse(await run_execute(name, body, who, svc))
-
-
-def execute_route() -> APIRoute:
-    """The route of `execute`, which api/hot.py answers for (its path labels metrics and
-    the request log)."""
-    return next(r for r in router.routes if isinstance(r, APIRoute) and r.endpoint is execute)
