@@ -106,6 +106,9 @@ class WorkerSettings(_Frozen):
     # host has (worker.budget)
     memory_overcommit: float = Field(default=1.0, gt=0, le=100)
     disk_overcommit: float = Field(default=1.0, gt=0, le=100)
+    # whole files on a sandbox's own disk written and read by the worker itself, not through
+    # the agent's pipes (worker/disk_files.py); off: every file call goes to the agent
+    direct_files: bool = True
     heartbeat_interval: float = 10.0
     reconnect_min: float = 0.2
     reconnect_max: float = 5.0

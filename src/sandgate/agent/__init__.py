@@ -16,7 +16,8 @@ MODULES = (
     "log",  # one line on stderr per event
     "threads",  # the reused threads requests run on
     "state",  # AgentState: everything the agent keeps in memory; open file handles
-    "paths",  # sandbox paths onto the real filesystem, entries, OS errors
+    "entries",  # entries, OS errors' codes, upload temp names (shared with the worker)
+    "paths",  # sandbox paths onto the real filesystem, OS errors
     "files",  # file operations and open handles
     "execute",  # exec
     "pump",  # the one output pump of exec and background processes

@@ -16,11 +16,12 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sandgate.agent import paths
+    from sandgate.agent import entries, paths
     from sandgate.agent.paths import Target
     from sandgate.agent.request import AgentError, Header, bool_field, int_field
     from sandgate.agent.state import AgentState, Handle
 else:
+    import entries
     import paths
     from request import AgentError, bool_field, int_field
     from state import Handle
@@ -40,16 +41,16 @@ def op_stat(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]
 def op_list(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
     target = paths.resolve(st.roots, req.get("path"), follow=True)
     prefix = target.spath.rstrip("/") + "/"
-    entries = []
+    found = []
     with os.scandir(target.real) as it:
         for item in it:
             try:
                 item_st = item.stat(follow_symlinks=False)
             except FileNotFoundError:  # removed meanwhile
                 continue
-            entries.append(paths.entry(prefix + item.name, item_st))
-    entries.sort(key=lambda entry: entry["name"])
-    return {"entries": entries}, b""
+            found.append(entries.entry(prefix + item.name, item_st))
+    found.sort(key=lambda entry: entry["name"])
+    return {"entries": found}, b""
 
 
 def op_mkdir(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
@@ -59,7 +60,7 @@ def op_mkdir(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes
     found = paths.lstat(target)
     if found is not None:
         if stat.S_ISDIR(found.st_mode) and exist_ok:
-            return {"entry": paths.entry(target.spath, found)}, b""
+            return {"entry": entries.entry(target.spath, found)}, b""
         raise AgentError("exists", f"{target.spath} already exists")
     if parents:
         try:
@@ -107,7 +108,7 @@ def _move_across_filesystems(src: Target, dst: Target) -> None:
         return
     if dst_st is not None and stat.S_ISDIR(dst_st.st_mode):
         raise AgentError("is_a_directory", f"{dst.spath} is a directory")
-    temp = paths.upload_temp_name(dst.real)
+    temp = entries.upload_temp_name(dst.real)
     try:
         shutil.copy2(src.real, temp, follow_symlinks=False)
         os.rename(temp, dst.real)
@@ -274,7 +275,7 @@ def op_open_write(st: AgentState, req: Header, payload: bytes) -> tuple[Header, 
         raise AgentError("not_a_directory", f"a parent of {target.spath} is a file") from None
     if not paths.inside(os.path.realpath(directory), target.root):  # swapped meanwhile
         raise paths.outside(target.spath)
-    temp = paths.upload_temp_name(target.real)
+    temp = entries.upload_temp_name(target.real)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     handle = Handle("write", fd, target.spath, target.real, temp)
     if not commit:
@@ -303,7 +304,7 @@ def _commit(handle: Handle) -> Header:
         os.rename(handle.temp, handle.target)
     finally:
         _unlink_quietly(handle.temp)  # nothing left once renamed
-    return paths.entry(handle.spath, os.lstat(handle.target))
+    return entries.entry(handle.spath, os.lstat(handle.target))
 
 
 def op_write(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:

@@ -1,4 +1,4 @@
-"""Sandbox paths onto the real filesystem (docs/agent-protocol.md, "Paths"), and entries.
+"""Sandbox paths onto the real filesystem (docs/agent-protocol.md, "Paths"), and OS errors.
 
 A sandbox's own filesystem is its roots, ``(sandbox root, real directory)`` pairs held by the
 agent's state; nothing here leaks a host path into an answer.
@@ -6,40 +6,20 @@ agent's state; nothing here leaks a host path into an answer.
 
 from __future__ import annotations
 
-import errno
 import os
 import posixpath
-import re
-import stat
-import time
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
+    from sandgate.agent.entries import ERRNO_CODES, entry
     from sandgate.agent.request import AgentError, Header
 else:
+    from entries import ERRNO_CODES, entry
     from request import AgentError
 
 Roots = tuple[tuple[str, str], ...]
 
 SANDBOX_ROOTS = ("/workspace", "/tmp")
-
-ERRNO_CODES = MappingProxyType(
-    {
-        errno.ENOENT: "not_found",
-        errno.ENOTDIR: "not_a_directory",
-        errno.EISDIR: "is_a_directory",
-        errno.EEXIST: "exists",
-        errno.ENOTEMPTY: "directory_not_empty",
-        errno.EACCES: "permission_denied",
-        errno.EPERM: "permission_denied",
-        errno.EROFS: "permission_denied",
-        errno.EINVAL: "invalid_request",
-        errno.ENAMETOOLONG: "invalid_request",
-        errno.ENOSPC: "storage_full",  # the worker names the sandbox's quota
-        errno.EDQUOT: "storage_full",
-    }
-)
 
 
 class Target(NamedTuple):
@@ -115,31 +95,6 @@ def os_error(roots: Roots, exc: OSError) -> AgentError:
     return AgentError(code, message)
 
 
-def iso_mtime(mtime_ns: int) -> str:
-    seconds, nanos = divmod(mtime_ns, 1_000_000_000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{nanos // 1000:06d}Z"
-
-
-def entry(spath: str, st: os.stat_result) -> Header:
-    mode = st.st_mode
-    if stat.S_ISREG(mode):
-        kind = "file"
-    elif stat.S_ISDIR(mode):
-        kind = "dir"
-    elif stat.S_ISLNK(mode):
-        kind = "symlink"
-    else:
-        kind = "other"
-    return {
-        "name": posixpath.basename(spath),
-        "path": spath,
-        "type": kind,
-        "size": st.st_size,
-        "mode": f"{stat.S_IMODE(mode):04o}",
-        "mtime": iso_mtime(st.st_mtime_ns),
-    }
-
-
 def lstat(target: Target) -> os.stat_result | None:
     try:
         return os.lstat(target.real)
@@ -149,17 +104,3 @@ def lstat(target: Target) -> os.stat_result | None:
 
 def lstat_entry(target: Target) -> Header:
     return entry(target.spath, os.lstat(target.real))
-
-
-# an upload is written beside its destination under this name, renamed onto it when complete
-_UPLOAD_TEMP = re.compile(r"\..+\.sandgate-[0-9a-f]{12}", re.DOTALL)
-
-
-def upload_temp_name(target_real: str) -> str:
-    directory, name = posixpath.split(target_real)
-    return posixpath.join(directory, f".{name[:200]}.sandgate-{os.urandom(6).hex()}")
-
-
-def is_upload_temp(name: str) -> bool:
-    """Whether a directory entry is an upload in progress (watches do not report those)."""
-    return _UPLOAD_TEMP.fullmatch(posixpath.basename(name)) is not None

@@ -42,10 +42,11 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sandgate.agent import paths
+    from sandgate.agent import entries, paths
     from sandgate.agent.log import log
     from sandgate.agent.request import AgentError, Header, bool_field, str_field
 else:
+    import entries
     import paths
     from log import log
     from request import AgentError, bool_field, str_field
@@ -259,13 +260,13 @@ class Watcher:
             if not self.recursive:
                 return
             try:
-                with os.scandir(real) as entries:
-                    items = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+                with os.scandir(real) as listing:
+                    items = [(e.name, e.is_dir(follow_symlinks=False)) for e in listing]
             except OSError:
                 continue
             below = []
             for name, is_dir in sorted(items):
-                if paths.is_upload_temp(name):
+                if entries.is_upload_temp(name):
                     continue
                 child = f"{current}/{name}" if current else name
                 if created:
@@ -340,7 +341,7 @@ class Watcher:
             if wd == self.root_wd and mask & ROOT_ENDS:
                 self.gone = True  # the thread ends; readers see it once it closed
             return
-        if paths.is_upload_temp(name):
+        if entries.is_upload_temp(name):
             return  # an upload in progress: its file appears when it is renamed into place
         child = f"{rel}/{name}" if rel else name
         pending = self.pending.get(wd)

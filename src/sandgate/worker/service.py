@@ -614,7 +614,12 @@ class WorkerService:
         fields = dict(call)
         op = fields.pop("op")
         timeout = float(header.get("timeout_s") or DEFAULT_AGENT_CALL_TIMEOUT) + 2.0
+        files = live.running.files
         try:
+            # a whole file on the sandbox's own disk: the worker's, without the agent's pipes
+            direct = None if files is None else await files.serve(op, fields, payload)
+            if direct is not None:
+                return direct
             reply, body = await live.link.channel.request(op, fields, payload, wait=timeout)
         except StorageFullError as exc:
             raise self._storage_full(live.running.spec, exc) from None

@@ -157,6 +157,11 @@ WORKER_OBJECT_STATE: Mapping[str, StateRow] = MappingProxyType(
             "one lock per worker",
             "per-process by nature: the links are this host's",
         ),
+        "DiskFiles._lock": StateRow(
+            "serialises taking a sandbox disk's descriptor against its release",
+            "one lock per running sandbox",
+            "per-process by nature: the disk is mounted for this worker's sandbox",
+        ),
         "NetHost.spares": StateRow(
             "network namespaces made ahead for the next sandbox starts, with a link and without",
             "2 of each kind (`netns.SPARES`)",

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from sandgate.core.egress_policy import NO_NETWORK, NetworkPolicy
 from sandgate.core.workspaces import ResolvedMount
+from sandgate.worker.disk_files import DiskFiles
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class RunningSandbox:
     disk: Path | None = None
     scratch: tuple[Path, ...] = ()
     upper: Path | None = None  # a template sandbox's overlay upper directory (rootfs.py)
+    # whole files on its own disk, written and read by the worker itself (disk_files.py);
+    # None: every file call goes to the agent
+    files: DiskFiles | None = None
 
 
 class Runtime(Protocol):

@@ -46,6 +46,7 @@ import os
 import re
 import shutil
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,9 +55,20 @@ from sandgate.agent import MODULES as AGENT_MODULES
 from sandgate.agent import deployed_name
 from sandgate.core.egress_policy import NetworkPolicy
 from sandgate.errors import InvalidRequestError, NetworkUnavailableError, WorkerError
-from sandgate.worker import cgroups, disk, fds, idmap, loopmount, netns, rootfs, seccomp
+from sandgate.worker import (
+    cgroups,
+    disk,
+    disk_files,
+    fds,
+    idmap,
+    loopmount,
+    netns,
+    rootfs,
+    seccomp,
+)
 from sandgate.worker.cgroups import CgroupHost, SandboxCgroups
 from sandgate.worker.cleanup import remove_tree
+from sandgate.worker.disk_files import DiskFiles
 from sandgate.worker.egress import EgressConfig, EgressGate
 from sandgate.worker.layers import layer_name
 from sandgate.worker.pipes import PIPE_LIMIT, widen_pipes
@@ -198,9 +210,12 @@ class BwrapRuntime:
         uid_lock_dir: Path | None = None,
         fd_share: float = fds.DEFAULT_FD_SHARE,
         workspaces: WorkspaceHost | None = None,
+        direct_files: bool = True,
     ) -> None:
         """`uid_lock_dir` must be shared by every worker on the host that uses an overlapping
-        uid range; the default is host-wide (/run/sandgate/uids), not per state_dir."""
+        uid range; the default is host-wide (/run/sandgate/uids), not per state_dir.
+        `direct_files`: whole files on a sandbox's own disk are written and read by the
+        worker itself where the host allows (`disk_files.py`), else all through the agent."""
         if not NAME_RE.fullmatch(worker_name):
             raise ValueError(f"invalid worker name {worker_name!r}: use [a-z0-9-], 1-63 chars")
         self.state_dir = Path(state_dir).absolute()
@@ -212,6 +227,8 @@ class BwrapRuntime:
         self.gate: EgressGate | None = None
         self._network_problem = "the runtime is not prepared"
         self._network_changes = asyncio.Lock()  # one set_network at a time: links, slots
+        self._direct_files = direct_files
+        self._file_threads: ThreadPoolExecutor | None = None  # set at prepare where it can
         self.uids = UidPool(uid_lock_dir or DEFAULT_UID_LOCK_DIR, uid_base, uid_count)
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.etc_dir = self.state_dir / "etc"
@@ -307,8 +324,22 @@ class BwrapRuntime:
         if self.workspaces is not None:
             await asyncio.to_thread(self.workspaces.prepare, disk_problem=self._disk_problem)
         self._file_limits = bwrap_host.file_limits()
+        self._prepare_file_threads()
         self._prepared = True
         log.info("runtime.prepared worker=%s features=%s", self.worker_name, self.features())
+
+    def _prepare_file_threads(self) -> None:
+        if not self._direct_files or self._file_threads is not None:
+            return
+        problem = disk_files.probe()
+        if problem is not None:
+            log.warning(
+                "runtime.direct_files_unavailable worker=%s (%s): the agent serves every file",
+                self.worker_name,
+                problem,
+            )
+            return
+        self._file_threads = disk_files.file_threads()
 
     async def _prepare_network(self) -> None:
         """The egress gate and this worker's nftables table, where the host can have them."""
@@ -552,7 +583,19 @@ class BwrapRuntime:
             disk=None if made is None else made.root,
             scratch=() if own_disk is not None else (workspace,),  # /tmp: a tmpfs, in memory
             upper=None if root is None else (own_disk or sandbox_dir) / rootfs.UPPER_NAME,
+            files=self._disk_files(spec, made, uid),
         )
+
+    def _disk_files(
+        self, spec: SandboxSpec, made: disk.SandboxDisk | None, uid: int
+    ) -> DiskFiles | None:
+        """The worker's own way to the sandbox's files, where its /workspace and /tmp are
+        its own disk's directories exactly as the worker sees them (disk_files.py)."""
+        if self._file_threads is None or made is None or not made.detached:
+            return None
+        if spec.workspaces or spec.image is not None:
+            return None
+        return DiskFiles(made.mount_fd, uid, uid, self._file_threads)
 
     async def _bind_workspaces(
         self, spec: SandboxSpec, sandbox_dir: Path, uid: int, bound: _BoundWorkspaces
@@ -753,6 +796,9 @@ class BwrapRuntime:
             await self.net.remove(net)
 
     async def close(self) -> None:
+        if self._file_threads is not None:
+            self._file_threads.shutdown(wait=False, cancel_futures=True)
+            self._file_threads = None
         if self.gate is not None:
             await self.gate.close()
         if self.net is not None:
@@ -764,6 +810,8 @@ class BwrapRuntime:
         private = sandbox.private
         if private.get("stopped"):
             return
+        if sandbox.files is not None:
+            sandbox.files.close()  # before its disk is released
         problems: list[str] = []
         cg: SandboxCgroups | None = private.get("cgroups")
         process = sandbox.process
