@@ -17,6 +17,8 @@ import time
 from types import MappingProxyType
 from typing import Any
 
+MAX_READ_LENGTH = 4 << 20  # bytes one read (or an open's `first`) may ask for
+
 ERRNO_CODES = MappingProxyType(
     {
         errno.ENOENT: "not_found",

@@ -26,7 +26,7 @@ else:
     from request import AgentError, bool_field, int_field
     from state import Handle
 
-MAX_READ_LENGTH = 4 << 20
+MAX_READ_LENGTH = entries.MAX_READ_LENGTH
 MAX_HANDLES = 64
 HANDLE_IDLE_SECONDS = 300.0
 

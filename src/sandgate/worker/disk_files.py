@@ -3,24 +3,25 @@ disk, without the hop through its agent's pipes (~0.5 ms per MiB each way on a s
 
 It takes the two calls the control plane makes for a file that fits in one chunk,
 `open_write` with `commit` and `open_read` with `first` (`control/toolbox.py`), and answers
-them as the agent does (`sandgate.agent.files`): the same entry, error codes, temp file beside
-the target and rename onto it. Any case it does not take it leaves to the agent by answering
-None: a symlink anywhere on the path (the agent resolves it in the sandbox's view), a root
-itself, a parent that is a file, a file larger than `first`, a path outside /workspace and
-/tmp, malformed fields.
+them as the agent does (`sandgate.agent.files`): the same entry, error codes and messages,
+temp file beside the target and rename onto it. Any case it does not take it leaves to the
+agent by answering None: a symlink anywhere on the path (the agent resolves it in the
+sandbox's view), a root itself, a directory it cannot reach or make, a file larger than
+`first`, a path outside /workspace and /tmp, malformed fields, and any call that finds both
+file threads busy (so one tenant's files never queue another's).
 
-Why it is safe:
+Why it is safe (docs/decisions/0012-worker-file-path.md):
 
 * It exists only for a sandbox whose /workspace and /tmp are its own disk's directories (a
   detached disk, no workspace bound, no image root; `BwrapRuntime.start`): the worker's view
   of that disk is then exactly what the sandbox sees there.
 * Every path is opened with openat2(2) beneath the disk's root, refusing symlinks, magic
   links and mount crossings; temp file and rename are single names in an open directory.
-* The work runs on the runtime's file threads (`threads`) with no supplementary groups and
-  the sandbox's uid and gid as the thread's file-system ids: the kernel checks permissions as
-  for the sandbox's own processes, clears the capabilities that would bypass them, and what
-  is created is the sandbox's. The disk has no blocks reserved for root (`disk.make_image`,
-  ``-m 0``), so the worker's remaining capabilities give it no room the sandbox lacks.
+* The work runs on the runtime's file threads (`FileThreads`), which never run anything else.
+  Each has no supplementary groups; during a call it has the sandbox's uid and gid as its
+  file-system ids and no effective capability at all (each checked once set): the kernel
+  checks permissions as for the sandbox's own processes and what is created is the
+  sandbox's. A thread that could not take the worker's ids back takes no further call.
 * The disk's descriptor is duplicated under a lock that `close` takes before the runtime
   releases the disk, so a call never reaches a descriptor number reused meanwhile.
 """
@@ -28,15 +29,17 @@ Why it is safe:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
+import logging
 import os
 import platform
 import posixpath
 import stat
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
 from types import MappingProxyType
@@ -45,6 +48,9 @@ from typing import Any, TypeVar
 from sandgate.agent import entries
 from sandgate.agent.frames import Header
 from sandgate.errors import from_wire
+from sandgate.tunnel.rpc import NoAnswerError
+
+log = logging.getLogger(__name__)
 
 # openat2(2): the same number on every architecture; struct open_how is three u64
 _SYS_OPENAT2 = 437
@@ -53,17 +59,18 @@ _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
 _RESOLVE = _RESOLVE_NO_XDEV | _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH
-# setgroups(2) as a raw system call changes the calling thread only (glibc's wrapper changes
-# every thread of the process)
-_SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159}.get(platform.machine())
-# on these the agent answers in its own words (they name a symlink or a parent that is a file)
-_LEAVE_TO_AGENT = frozenset({errno.ELOOP, errno.EXDEV, errno.ENOTDIR})
+# as raw system calls these change the calling thread only (glibc's setgroups wrapper changes
+# every thread of the process): (setgroups, capget, capset)
+_SYSCALLS = MappingProxyType({"x86_64": (116, 125, 126), "aarch64": (159, 90, 91)})
+_CAP_VERSION_3 = 0x20080522  # two 32-bit words per set
+_THREAD_NAME = "sandbox-files"
+# on these the agent answers in its own words (they name a symlink, a parent that is a file,
+# or a name too long for the temp file it makes)
+_LEAVE_TO_AGENT = frozenset({errno.ELOOP, errno.EXDEV, errno.ENOTDIR, errno.ENAMETOOLONG})
 # sandbox root -> its directory on the disk
 _ROOTS = MappingProxyType({"/workspace": "workspace", "/tmp": "tmp"})
-_MAX_FIRST = 4 << 20  # the agent's MAX_READ_LENGTH
 _UNSET = 0xFFFFFFFF  # an invalid id: setfsuid/setfsgid change nothing and answer the current
 _T = TypeVar("_T")
-
 
 # (disk root fd, sandbox path, its sandbox root, the rest, the call's fields, its payload)
 _Work = Callable[[int, str, str, str, Header, bytes], tuple[Header, bytes]]
@@ -72,6 +79,20 @@ _Work = Callable[[int, str, str, str, Header, bytes], tuple[Header, bytes]]
 class _OpenHow(ctypes.Structure):
     _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
 
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = (("version", ctypes.c_uint32), ("pid", ctypes.c_int))
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = (
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    )
+
+
+_CapSets = ctypes.Array[_CapData]  # the effective, permitted, inheritable of two words
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
@@ -82,46 +103,110 @@ _setfsgid = _libc.setfsgid
 _setfsgid.argtypes = (ctypes.c_uint32,)
 
 
-def _openat2(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
-    how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE)
-    fd = _syscall(
-        ctypes.c_long(_SYS_OPENAT2),
-        ctypes.c_long(dirfd),
-        ctypes.c_char_p(os.fsencode(path)),
-        ctypes.byref(how),
-        ctypes.c_size_t(ctypes.sizeof(how)),
-    )
-    if fd < 0:
+def _call(number: int, *args: Any) -> int:
+    """A raw system call; its OSError on failure."""
+    result = int(_syscall(ctypes.c_long(number), *args))
+    if result < 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
-    return int(fd)
+    return result
+
+
+def _openat2(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE)
+    path_bytes = ctypes.c_char_p(os.fsencode(path))
+    size = ctypes.c_size_t(ctypes.sizeof(how))
+    return _call(_SYS_OPENAT2, ctypes.c_long(dirfd), path_bytes, ctypes.byref(how), size)
+
+
+def _capabilities(change: Callable[[_CapSets], None] | None = None) -> _CapSets:
+    """This thread's capability sets, after `change` (applied with capset) if given."""
+    _, capget, capset = _SYSCALLS[platform.machine()]
+    head = _CapHeader(_CAP_VERSION_3, 0)
+    sets = (_CapData * 2)()
+    _call(capget, ctypes.byref(head), ctypes.byref(sets))
+    if change is not None:
+        change(sets)
+        _call(capset, ctypes.byref(head), ctypes.byref(sets))
+        _call(capget, ctypes.byref(head), ctypes.byref(sets))
+    return sets
+
+
+def _clear_effective(sets: _CapSets) -> None:
+    for half in sets:
+        half.effective = 0
+
+
+def _restore_effective(before: _CapSets, sets: _CapSets) -> None:
+    for half, was in zip(sets, before, strict=True):
+        half.effective = was.effective
 
 
 def probe() -> str | None:
     """Why this host's worker cannot reach sandbox files itself (the agent serves them all),
     or None when it can."""
-    if _SYS_SETGROUPS is None:
-        return f"no thread-own setgroups known on {platform.machine()}"
+    if platform.machine() not in _SYSCALLS:
+        return f"no thread-own setgroups and capset known on {platform.machine()}"
     if os.geteuid() != 0:
         return "the worker is not root"
     try:
         os.close(_openat2(-100, ".", os.O_PATH))  # AT_FDCWD
+        _capabilities()
     except OSError as exc:
-        return f"openat2 is not available: {exc.strerror}"
+        return f"openat2 or capget is not available: {exc.strerror}"
     return None
 
 
 def _drop_groups() -> None:
     """A file thread's start: no supplementary groups on this thread (the sandbox has none)."""
-    assert _SYS_SETGROUPS is not None
-    if _syscall(ctypes.c_long(_SYS_SETGROUPS), ctypes.c_long(0), None) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, f"cannot drop a file thread's groups: {os.strerror(code)}")
+    _call(_SYSCALLS[platform.machine()][0], ctypes.c_long(0), None)
 
 
-def file_threads() -> ThreadPoolExecutor:
-    """The threads sandbox files are reached on (they never run anything else)."""
-    return ThreadPoolExecutor(2, thread_name_prefix="sandbox-files", initializer=_drop_groups)
+class FileThreads:
+    """The threads sandbox files are reached on, shared by a worker's sandboxes. A call that
+    finds them all busy is not queued: the caller leaves it to the agent."""
+
+    SIZE = 2
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(
+            self.SIZE, thread_name_prefix=_THREAD_NAME, initializer=_drop_groups
+        )
+        self._busy = 0  # calls submitted and not finished (counted down when the thread is)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, call: Callable[[], _T], *, wait: float) -> _T | None:
+        """`call` on a file thread, within `wait` seconds; None if none is free (or the
+        threads are shut down)."""
+        if self._busy >= self.SIZE:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            done: Future[_T] = self._pool.submit(call)
+        except RuntimeError:  # shut down: the worker is stopping
+            return None
+        self._busy += 1
+        done.add_done_callback(partial(self._finished_on, loop))
+        try:
+            async with asyncio.timeout(wait):
+                return await asyncio.wrap_future(done, loop=loop)
+        except TimeoutError:
+            raise NoAnswerError(f"no answer from the sandbox's disk within {wait:g} s") from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if done.cancelled() and (task is None or not task.cancelling()):
+                return None  # cancelled by the shutdown, not this caller
+            raise
+
+    def _finished_on(self, loop: asyncio.AbstractEventLoop, _: object) -> None:
+        """(On the thread that ran the call.) Count it done on the loop's thread."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing counts any more
+            loop.call_soon_threadsafe(self._finished)
+
+    def _finished(self) -> None:
+        self._busy -= 1
 
 
 class _NotMine(Exception):
@@ -130,21 +215,37 @@ class _NotMine(Exception):
 
 @contextmanager
 def _as_sandbox(uid: int, gid: int) -> Iterator[None]:
-    """Run the block with the sandbox's file-system ids on this thread, then the worker's."""
-    own_uid, own_gid = _setfsuid(_UNSET), _setfsgid(_UNSET)
-    if os.getgroups():  # this thread's groups were not dropped: not a file thread
-        raise _NotMine
+    """Run the block with the sandbox's file-system ids and no effective capability on this
+    thread, then the worker's again. Only on a file thread that has the worker's own ids."""
+    own_uid, own_gid = os.geteuid(), os.getegid()
+    if not threading.current_thread().name.startswith(_THREAD_NAME) or os.getgroups():
+        raise _NotMine  # not a file thread, or its groups came back
+    if _setfsuid(_UNSET) != own_uid or _setfsgid(_UNSET) != own_gid:
+        raise _NotMine  # an earlier call could not take the ids back: this thread is done
+    try:
+        before = _capabilities()
+    except OSError:
+        raise _NotMine from None
     _setfsgid(gid)
     _setfsuid(uid)
     try:
         if _setfsuid(_UNSET) != uid or _setfsgid(_UNSET) != gid:
             raise _NotMine
+        try:
+            if any(half.effective for half in _capabilities(_clear_effective)):
+                raise _NotMine
+        except OSError:
+            raise _NotMine from None
         yield
     finally:
+        try:
+            _capabilities(partial(_restore_effective, before))
+        except OSError as exc:  # without them its next call cannot set ids and is refused
+            log.error("disk_files.capabilities_not_restored: %s", exc.strerror)
         _setfsuid(own_uid)
         _setfsgid(own_gid)
         if _setfsuid(_UNSET) != own_uid or _setfsgid(_UNSET) != own_gid:
-            raise RuntimeError("a file thread cannot take the worker's file-system ids back")
+            log.error("disk_files.ids_not_restored: this file thread takes no further call")
 
 
 def _split(value: Any) -> tuple[str, str, str] | None:
@@ -152,6 +253,10 @@ def _split(value: Any) -> tuple[str, str, str] | None:
     root, the rest), or None for what the agent must answer (malformed, a root itself,
     outside /workspace and /tmp)."""
     if not isinstance(value, str) or not value or "\x00" in value:
+        return None
+    try:
+        value.encode()
+    except UnicodeEncodeError:  # a lone surrogate: the agent's call cannot even carry it
         return None
     if not value.startswith("/"):
         value = "/workspace/" + value
@@ -181,7 +286,7 @@ def _os_error(exc: OSError) -> Exception:
 class DiskFiles:
     """One sandbox's files on its own disk, reached by the worker (see the module)."""
 
-    def __init__(self, mount_fd: int, uid: int, gid: int, threads: ThreadPoolExecutor) -> None:
+    def __init__(self, mount_fd: int, uid: int, gid: int, threads: FileThreads) -> None:
         self._mount_fd = mount_fd  # the runtime's; released by it after `close`
         self._uid = uid
         self._gid = gid
@@ -193,13 +298,16 @@ class DiskFiles:
         with self._lock:
             self._mount_fd = -1
 
-    async def serve(self, op: str, fields: Header, payload: bytes) -> tuple[Header, bytes] | None:
-        """The answer to an agent call, or None: the agent's to answer."""
+    async def serve(
+        self, op: str, fields: Header, payload: bytes, *, wait: float = 60.0
+    ) -> tuple[Header, bytes] | None:
+        """The answer to an agent call within `wait` seconds, or None: the agent's to
+        answer."""
         work: _Work
         if op == "open_write" and fields.get("commit") is True:
             work = self._write
         elif op == "open_read" and type(fields.get("first")) is int:
-            if not 0 < fields["first"] <= _MAX_FIRST:
+            if not 0 < fields["first"] <= entries.MAX_READ_LENGTH:
                 return None
             work = self._read
         else:
@@ -207,12 +315,7 @@ class DiskFiles:
         split = _split(fields.get("path"))
         if split is None:
             return None
-        loop = asyncio.get_running_loop()
-        call = partial(self._run, work, split, fields, payload)
-        try:
-            return await loop.run_in_executor(self._threads, call)
-        except RuntimeError:  # the threads are shut down: the worker is stopping
-            return None
+        return await self._threads.run(partial(self._run, work, split, fields, payload), wait=wait)
 
     def _run(
         self, work: _Work, split: tuple[str, str, str], fields: Header, payload: bytes
@@ -220,7 +323,10 @@ class DiskFiles:
         with self._lock:
             if self._mount_fd < 0:
                 return None  # stopping: the agent's call says so
-            root = os.dup(self._mount_fd)
+            try:
+                root = os.dup(self._mount_fd)
+            except OSError:  # out of descriptors: the agent has its own
+                return None
         spath, sroot, rest = split
         try:
             with _as_sandbox(self._uid, self._gid):
@@ -240,7 +346,10 @@ class DiskFiles:
         self, root: int, spath: str, sroot: str, rest: str, fields: Header, data: bytes
     ) -> tuple[Header, bytes]:
         parent_path, name = posixpath.split(rest)
-        parent = _directory(root, sroot, parent_path)
+        try:  # up to the temp file, any failure is the agent's to word (it redoes the same)
+            parent = _directory(root, sroot, parent_path)
+        except OSError:
+            raise _NotMine from None
         where = posixpath.dirname(spath)
         try:
             _refuse_directory(parent, name, spath)
@@ -313,18 +422,16 @@ def _directory(root: int, sroot: str, parent_path: str) -> int:
         except FileNotFoundError:
             pass
     fd = _openat2(root, directory, flags)
-    made = sroot
     for part in parent_path.split("/") if parent_path else ():
-        made = f"{made}/{part}"
         try:
             try:
                 below = _openat2(fd, part, flags)
             except FileNotFoundError:
                 try:
-                    _named(os.mkdir, made, part, 0o777, dir_fd=fd)
+                    os.mkdir(part, 0o777, dir_fd=fd)
                 except FileExistsError:
                     pass  # made meanwhile
-                below = _named(_openat2, made, fd, part, flags)
+                below = _openat2(fd, part, flags)
         finally:
             os.close(fd)
         fd = below
@@ -332,11 +439,14 @@ def _directory(root: int, sroot: str, parent_path: str) -> int:
 
 
 def _refuse_directory(parent: int, name: str, spath: str) -> None:
-    """A directory at the target is an error; a symlink there is the agent's (it follows)."""
+    """A directory at the target is an error; a symlink there, or a target it cannot look
+    at, is the agent's (it follows the one and words the other)."""
     try:
         found = os.stat(name, dir_fd=parent, follow_symlinks=False)
     except FileNotFoundError:
         return
+    except OSError:
+        raise _NotMine from None
     if stat.S_ISDIR(found.st_mode):
         raise _error("is_a_directory", f"{spath} is a directory")
     if stat.S_ISLNK(found.st_mode):

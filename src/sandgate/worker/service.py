@@ -617,7 +617,7 @@ class WorkerService:
         files = live.running.files
         try:
             # a whole file on the sandbox's own disk: the worker's, without the agent's pipes
-            direct = None if files is None else await files.serve(op, fields, payload)
+            direct = None if files is None else await files.serve(op, fields, payload, wait=timeout)
             if direct is not None:
                 return direct
             reply, body = await live.link.channel.request(op, fields, payload, wait=timeout)

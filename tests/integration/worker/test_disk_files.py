@@ -12,6 +12,7 @@ import ctypes
 import os
 import re
 import shutil
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -34,7 +35,8 @@ pytestmark = [
 SETUP = """
 set -e
 for top in /workspace/{side} /tmp/{side}; do
-  mkdir -p $top/dir $top/ro $top/sub
+  mkdir -p $top/dir $top/ro $top/sub $top/nosearch/in
+  printf n > $top/nosearch/in/f && chmod 0600 $top/nosearch
   printf hello > $top/small.txt
   printf 0123456789 > $top/ten.txt
   : > $top/empty.txt
@@ -62,7 +64,15 @@ CASES: list[tuple[str, str, dict[str, Any], bytes, bool]] = [
     ("dotted", "open_write", {"path": "/workspace/{side}/sub/../dir/./d.txt"}, b"d", True),
     ("onto a directory", "open_write", {"path": "/workspace/{side}/dir"}, b"x", True),
     ("no write permission", "open_write", {"path": "/workspace/{side}/ro/x"}, b"x", True),
-    ("under a read-only dir", "open_write", {"path": "/workspace/{side}/ro/n/x"}, b"x", True),
+    ("under a read-only dir", "open_write", {"path": "/workspace/{side}/ro/n/x"}, b"x", False),
+    (
+        "no search permission",
+        "open_write",
+        {"path": "/workspace/{side}/nosearch/in/x"},
+        b"x",
+        False,
+    ),
+    ("a name too long", "open_write", {"path": "/workspace/{side}/" + "L" * 256}, b"x", False),
     ("a parent is a file", "open_write", {"path": "/workspace/{side}/file.txt/x"}, b"x", False),
     ("through a symlink", "open_write", {"path": "/workspace/{side}/linkdir/x"}, b"x", False),
     ("onto a symlink", "open_write", {"path": "/workspace/{side}/link.txt"}, b"via", False),
@@ -77,6 +87,7 @@ CASES: list[tuple[str, str, dict[str, Any], bytes, bool]] = [
     ("missing", "open_read", {"path": "/workspace/{side}/nope", "first": 8}, b"", True),
     ("a directory", "open_read", {"path": "/workspace/{side}/dir", "first": 8}, b"", True),
     ("a socket", "open_read", {"path": "/workspace/{side}/sock", "first": 8}, b"", True),
+    ("no search permission", "open_read", {"path": "{side}/nosearch/in/f", "first": 8}, b"", True),
     ("unreadable", "open_read", {"path": "/workspace/{side}/closed.txt", "first": 8}, b"", True),
     ("the root", "open_read", {"path": "/workspace", "first": 8}, b"", False),
     (
@@ -106,6 +117,14 @@ CASES: list[tuple[str, str, dict[str, Any], bytes, bool]] = [
 
 _libc = ctypes.CDLL(None, use_errno=True)
 TEMP = re.compile(r"\.[^/]*\.sandgate-[0-9a-f]{12}")
+
+
+def _effective(status: str) -> int:
+    """The effective capabilities in a /proc status file."""
+    with open(status) as f:
+        found = re.search(r"CapEff:\s*([0-9a-f]+)", f.read())
+    assert found is not None
+    return int(found[1], 16)
 
 
 def _filled(op: str, fields: dict[str, Any], side: str) -> dict[str, Any]:
@@ -173,7 +192,8 @@ def test_the_worker_answers_whole_files_as_the_agent_does(runtime: BwrapRuntime)
         assert mismatches == []
         # what the writes left: owner, group, mode and content alike, inside the sandbox
         listing = (
-            "cd /workspace/{side} && find . /tmp/{side} | sort | xargs stat -c '%n %u %g %a %s %F'"
+            "chmod 0700 /workspace/{side}/nosearch /tmp/{side}/nosearch"
+            " && cd /workspace/{side} && find . /tmp/{side} | sort | xargs stat -c '%n %u %g %a %s %F'"
             " && sha256sum big new.txt rel.txt small.txt readonly.txt a/b/c.txt dir/d.txt"
         )
         worker_view = await sh(live, listing.format(side="side-w"))
@@ -184,15 +204,22 @@ def test_the_worker_answers_whole_files_as_the_agent_does(runtime: BwrapRuntime)
         )
         assert " 1000 1000 644 " in worker_view  # the sandbox's own files, not the worker's
 
-        # every file thread has the worker's own ids back
-        def ids() -> tuple[int, int, list[int]]:
-            return _libc.setfsuid(0xFFFFFFFF), _libc.setfsgid(0xFFFFFFFF), os.getgroups()
+        # both file threads have the worker's own ids, groups none, capabilities all back
+        def ids() -> tuple[int, int, list[int], int]:
+            time.sleep(0.2)  # so that the two calls are on the two threads
+            fsuid, fsgid = _libc.setfsuid(0xFFFFFFFF), _libc.setfsgid(0xFFFFFFFF)
+            return fsuid, fsgid, os.getgroups(), _effective("/proc/thread-self/status")
 
         threads = runtime._file_threads
         assert threads is not None
-        loop = asyncio.get_running_loop()
-        seen = await asyncio.gather(*(loop.run_in_executor(threads, ids) for _ in range(8)))
-        assert all(ids == (0, 0, []) for ids in seen), seen
+        seen = await asyncio.gather(threads.run(ids, wait=10), threads.run(ids, wait=10))
+        full = _effective("/proc/self/status")
+        assert list(seen) == [(0, 0, [], full)] * 2, seen
+        # a third call while both are busy is not queued: the agent takes it
+        busy = [asyncio.ensure_future(threads.run(ids, wait=10)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        assert await files.serve("open_read", {"path": "side-w/ten.txt", "first": 64}, b"") is None
+        await asyncio.gather(*busy)
 
         files.close()  # as a stop does first: from now on the agent answers
         write = {"path": "/workspace/side-w/late.txt", "commit": True}

@@ -46,7 +46,6 @@ import os
 import re
 import shutil
 import stat
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,7 +227,7 @@ class BwrapRuntime:
         self._network_problem = "the runtime is not prepared"
         self._network_changes = asyncio.Lock()  # one set_network at a time: links, slots
         self._direct_files = direct_files
-        self._file_threads: ThreadPoolExecutor | None = None  # set at prepare where it can
+        self._file_threads: disk_files.FileThreads | None = None  # set at prepare if it can
         self.uids = UidPool(uid_lock_dir or DEFAULT_UID_LOCK_DIR, uid_base, uid_count)
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.etc_dir = self.state_dir / "etc"
@@ -339,7 +338,7 @@ class BwrapRuntime:
                 problem,
             )
             return
-        self._file_threads = disk_files.file_threads()
+        self._file_threads = disk_files.FileThreads()
 
     async def _prepare_network(self) -> None:
         """The egress gate and this worker's nftables table, where the host can have them."""
@@ -797,7 +796,7 @@ class BwrapRuntime:
 
     async def close(self) -> None:
         if self._file_threads is not None:
-            self._file_threads.shutdown(wait=False, cancel_futures=True)
+            self._file_threads.close()
             self._file_threads = None
         if self.gate is not None:
             await self.gate.close()
