@@ -192,8 +192,8 @@ def test_the_worker_answers_whole_files_as_the_agent_does(runtime: BwrapRuntime)
         assert mismatches == []
         # what the writes left: owner, group, mode and content alike, inside the sandbox
         listing = (
-            "chmod 0700 /workspace/{side}/nosearch /tmp/{side}/nosearch"
-            " && cd /workspace/{side} && find . /tmp/{side} | sort | xargs stat -c '%n %u %g %a %s %F'"
+            "chmod 0700 /workspace/{side}/nosearch /tmp/{side}/nosearch && cd /workspace/{side}"
+            " && find . /tmp/{side} | sort | xargs stat -c '%n %u %g %a %s %F'"
             " && sha256sum big new.txt rel.txt small.txt readonly.txt a/b/c.txt dir/d.txt"
         )
         worker_view = await sh(live, listing.format(side="side-w"))
