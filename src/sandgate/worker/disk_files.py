@@ -286,6 +286,8 @@ def _os_error(exc: OSError) -> Exception:
 class DiskFiles:
     """One sandbox's files on its own disk, reached by the worker (see the module)."""
 
+    OPS = frozenset({"open_write", "open_read"})  # the agent calls it may answer
+
     def __init__(self, mount_fd: int, uid: int, gid: int, threads: FileThreads) -> None:
         self._mount_fd = mount_fd  # the runtime's; released by it after `close`
         self._uid = uid

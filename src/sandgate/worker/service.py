@@ -53,6 +53,7 @@ from sandgate.errors import (
 )
 from sandgate.worker import cgroups, disk, export, metrics, pool
 from sandgate.worker.agent_link import AgentLink
+from sandgate.worker.disk_files import DiskFiles
 from sandgate.worker.git_history import Author
 from sandgate.worker.git_ops import WORKSPACE_OPS, git_work
 from sandgate.worker.images import INCOMING, FetchChunk, LayerCache
@@ -617,7 +618,9 @@ class WorkerService:
         files = live.running.files
         try:
             # a whole file on the sandbox's own disk: the worker's, without the agent's pipes
-            direct = None if files is None else await files.serve(op, fields, payload, wait=timeout)
+            direct = None
+            if files is not None and op in DiskFiles.OPS:
+                direct = await files.serve(op, fields, payload, wait=timeout)
             if direct is not None:
                 return direct
             reply, body = await live.link.channel.request(op, fields, payload, wait=timeout)
