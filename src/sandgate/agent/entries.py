@@ -1,6 +1,6 @@
-"""What a file is on the wire, the codes of OS errors, and the name an upload is written
-under: shared by the agent (`paths.py`, `files.py`) and the worker's own file path
-(`sandgate.worker.disk_files`), so both answer alike.
+"""What a file is on the wire, the codes of OS errors, the name an upload is written under,
+and a whole read and write of a descriptor: shared by the agent (`paths.py`, `files.py`) and
+the worker's own file path (`sandgate.worker.disk_files`), so both answer alike.
 
 Standard library only and no flat imports: deployed beside the agent and imported by the
 worker as ``sandgate.agent.entries``.
@@ -77,3 +77,33 @@ def upload_temp_name(target: str) -> str:
 def is_upload_temp(name: str) -> bool:
     """Whether a directory entry is an upload in progress (watches do not report those)."""
     return _UPLOAD_TEMP.fullmatch(posixpath.basename(name)) is not None
+
+
+def not_readable(opened: os.stat_result, spath: str) -> tuple[str, str] | None:
+    """Why an opened file is not served for reading (error code, message), or None: only
+    regular files are."""
+    if stat.S_ISDIR(opened.st_mode):
+        return "is_a_directory", f"{spath} is a directory"
+    if not stat.S_ISREG(opened.st_mode):
+        return "invalid_request", f"{spath} is not a regular file"
+    return None
+
+
+def read_up_to(fd: int, length: int) -> bytes:
+    """Up to `length` bytes from `fd`: fewer only at its end."""
+    chunks: list[bytes] = []
+    remaining = length
+    while remaining:
+        chunk = os.read(fd, remaining)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """All of `data` to `fd`."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

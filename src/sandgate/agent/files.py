@@ -211,12 +211,11 @@ def op_open_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, b
     fd = _open_nofollow(target, os.O_RDONLY | os.O_NONBLOCK)
     try:
         opened = os.fstat(fd)
-        if stat.S_ISDIR(opened.st_mode):
-            raise AgentError("is_a_directory", f"{target.spath} is a directory")
-        if not stat.S_ISREG(opened.st_mode):
-            raise AgentError("invalid_request", f"{target.spath} is not a regular file")
+        problem = entries.not_readable(opened, target.spath)
+        if problem is not None:
+            raise AgentError(*problem)
         os.set_blocking(fd, True)
-        head = _read_up_to(fd, first) if first else b""
+        head = entries.read_up_to(fd, first) if first else b""
     except BaseException:
         os.close(fd)
         raise
@@ -230,18 +229,6 @@ def op_open_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, b
     return answer, head
 
 
-def _read_up_to(fd: int, length: int) -> bytes:
-    chunks: list[bytes] = []
-    remaining = length
-    while remaining:
-        chunk = os.read(fd, remaining)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(chunks)
-
-
 def op_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
     handle = _lookup(st, req, "read")
     length = int_field(req, "length")
@@ -250,7 +237,7 @@ def op_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]
     with handle.lock:
         if handle.closed:
             raise AgentError("not_found", "the handle was closed")
-        return {}, _read_up_to(handle.fd, length)
+        return {}, entries.read_up_to(handle.fd, length)
 
 
 def op_close_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
@@ -282,17 +269,11 @@ def op_open_write(st: AgentState, req: Header, payload: bytes) -> tuple[Header, 
         return {"handle": _register(st, handle)}, b""
     with handle.lock:
         try:
-            _write_all(handle.fd, payload)
+            entries.write_all(handle.fd, payload)
         except BaseException:
             handle.close(discard=True)
             raise
         return {"handle": None, "entry": _commit(handle)}, b""
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _commit(handle: Handle) -> Header:
@@ -312,7 +293,7 @@ def op_write(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes
     with handle.lock:
         if handle.closed:
             raise AgentError("not_found", "the handle was closed")
-        _write_all(handle.fd, payload)
+        entries.write_all(handle.fd, payload)
     return {"written": len(payload)}, b""
 
 

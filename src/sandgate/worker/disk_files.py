@@ -360,9 +360,7 @@ class DiskFiles:
             fd = _named(os.open, f"{where}/{temp}", temp, flags, 0o644, dir_fd=parent)
             try:
                 try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view) :]
+                    entries.write_all(fd, data)
                 finally:
                     os.close(fd)
                 _refuse_directory(parent, name, spath)
@@ -390,14 +388,13 @@ class DiskFiles:
         fd = _named(_openat2, spath, root, f"{_ROOTS[sroot]}/{rest}", flags)
         try:
             opened = os.fstat(fd)
-            if stat.S_ISDIR(opened.st_mode):
-                raise _error("is_a_directory", f"{spath} is a directory")
-            if not stat.S_ISREG(opened.st_mode):
-                raise _error("invalid_request", f"{spath} is not a regular file")
+            problem = entries.not_readable(opened, spath)
+            if problem is not None:
+                raise _error(*problem)
             if opened.st_size > first:
                 raise _NotMine  # read through a handle: the agent keeps those
             os.set_blocking(fd, True)
-            head = _read_up_to(fd, first)
+            head = entries.read_up_to(fd, first)
         finally:
             os.close(fd)
         if len(head) == first and len(head) < opened.st_size:
@@ -453,15 +450,3 @@ def _refuse_directory(parent: int, name: str, spath: str) -> None:
         raise _error("is_a_directory", f"{spath} is a directory")
     if stat.S_ISLNK(found.st_mode):
         raise _NotMine
-
-
-def _read_up_to(fd: int, length: int) -> bytes:
-    chunks: list[bytes] = []
-    remaining = length
-    while remaining:
-        chunk = os.read(fd, remaining)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(chunks)
