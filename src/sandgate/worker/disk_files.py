@@ -39,7 +39,7 @@ import posixpath
 import stat
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import BrokenExecutor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
 from types import MappingProxyType
@@ -65,8 +65,11 @@ _SYSCALLS = MappingProxyType({"x86_64": (116, 125, 126), "aarch64": (159, 90, 91
 _CAP_VERSION_3 = 0x20080522  # two 32-bit words per set
 _THREAD_NAME = "sandbox-files"
 # on these the agent answers in its own words (they name a symlink, a parent that is a file,
-# or a name too long for the temp file it makes)
-_LEAVE_TO_AGENT = frozenset({errno.ELOOP, errno.EXDEV, errno.ENOTDIR, errno.ENAMETOOLONG})
+# or a name too long for the temp file it makes),
+# or a shortage of descriptors in the worker (the agent has its own)
+_LEAVE_TO_AGENT = frozenset(
+    {errno.ELOOP, errno.EXDEV, errno.ENOTDIR, errno.ENAMETOOLONG, errno.EMFILE, errno.ENFILE}
+)
 # sandbox root -> its directory on the disk
 _ROOTS = MappingProxyType({"/workspace": "workspace", "/tmp": "tmp"})
 _UNSET = 0xFFFFFFFF  # an invalid id: setfsuid/setfsgid change nothing and answer the current
@@ -174,6 +177,14 @@ class FileThreads:
         )
         self._busy = 0  # calls submitted and not finished (counted down when the thread is)
 
+    def check(self) -> str | None:
+        """Why these threads cannot take a sandbox's ids (the agent serves every file), or
+        None when they can: one empty call as nobody, at the worker's start."""
+        try:
+            return self._pool.submit(_try_ids).result(timeout=10)
+        except Exception as exc:  # a thread that cannot start (groups), or none in time
+            return f"a file thread cannot start: {exc!r}"
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -192,6 +203,8 @@ class FileThreads:
         try:
             async with asyncio.timeout(wait):
                 return await asyncio.wrap_future(done, loop=loop)
+        except BrokenExecutor:  # a thread could not start as a file thread
+            return None
         except TimeoutError:
             raise NoAnswerError(f"no answer from the sandbox's disk within {wait:g} s") from None
         except asyncio.CancelledError:
@@ -246,6 +259,14 @@ def _as_sandbox(uid: int, gid: int) -> Iterator[None]:
         _setfsgid(own_gid)
         if _setfsuid(_UNSET) != own_uid or _setfsgid(_UNSET) != own_gid:
             log.error("disk_files.ids_not_restored: this file thread takes no further call")
+
+
+def _try_ids() -> str | None:
+    try:
+        with _as_sandbox(65534, 65534):
+            return None
+    except _NotMine:
+        return "a file thread cannot take other file-system ids or drop its capabilities"
 
 
 def _split(value: Any) -> tuple[str, str, str] | None:
@@ -394,11 +415,9 @@ class DiskFiles:
             if opened.st_size > first:
                 raise _NotMine  # read through a handle: the agent keeps those
             os.set_blocking(fd, True)
-            head = entries.read_up_to(fd, first)
+            head = entries.read_up_to(fd, first)  # at most `first`: what it holds now, whole
         finally:
             os.close(fd)
-        if len(head) == first and len(head) < opened.st_size:
-            raise _NotMine  # it grew meanwhile
         return {"handle": None, "size": len(head), "first": len(head), "eof": True}, head
 
 

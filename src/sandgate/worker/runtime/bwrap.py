@@ -338,7 +338,17 @@ class BwrapRuntime:
                 problem,
             )
             return
-        self._file_threads = disk_files.FileThreads()
+        threads = disk_files.FileThreads()
+        problem = threads.check()
+        if problem is not None:
+            threads.close()
+            log.warning(
+                "runtime.direct_files_unavailable worker=%s (%s): the agent serves every file",
+                self.worker_name,
+                problem,
+            )
+            return
+        self._file_threads = threads
 
     async def _prepare_network(self) -> None:
         """The egress gate and this worker's nftables table, where the host can have them."""
