@@ -37,6 +37,17 @@ ERRNO_CODES = MappingProxyType(
 )
 
 
+def sandbox_path(value: str) -> str:
+    """A path as the sandbox means it: a relative one under /workspace, normalised (no `.`,
+    `..` or repeated slashes)."""
+    if not value.startswith("/"):
+        value = "/workspace/" + value
+    spath = posixpath.normpath(value)
+    if spath.startswith("//"):
+        spath = "/" + spath.lstrip("/")
+    return spath
+
+
 def iso_mtime(mtime_ns: int) -> str:
     seconds, nanos = divmod(mtime_ns, 1_000_000_000)
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{nanos // 1000:06d}Z"

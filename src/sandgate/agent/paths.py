@@ -11,10 +11,10 @@ import posixpath
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from sandgate.agent.entries import ERRNO_CODES, entry
+    from sandgate.agent.entries import ERRNO_CODES, entry, sandbox_path
     from sandgate.agent.request import AgentError, Header
 else:
-    from entries import ERRNO_CODES, entry
+    from entries import ERRNO_CODES, entry, sandbox_path
     from request import AgentError
 
 Roots = tuple[tuple[str, str], ...]
@@ -50,11 +50,7 @@ def resolve(roots: Roots, value: Any, *, follow: bool = False, name: str = "path
         raise AgentError("invalid_request", f"{name!r} must be a non-empty string")
     if "\x00" in value:
         raise AgentError("invalid_request", f"{name!r} contains a NUL byte")
-    if not value.startswith("/"):
-        value = "/workspace/" + value
-    spath = posixpath.normpath(value)
-    if spath.startswith("//"):
-        spath = "/" + spath.lstrip("/")
+    spath = sandbox_path(value)
     for sroot, rroot in roots:
         if spath == sroot:
             return Target(spath, rroot, rroot, True)

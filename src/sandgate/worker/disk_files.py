@@ -178,8 +178,12 @@ class FileThreads:
         self._busy = 0  # calls submitted and not finished (counted down when the thread is)
 
     def check(self) -> str | None:
-        """Why these threads cannot take a sandbox's ids (the agent serves every file), or
-        None when they can: one empty call as nobody, at the worker's start."""
+        """Why this host or these threads cannot reach sandbox files (the agent serves every
+        file), or None when they can: `probe`, then one empty call as nobody, at the worker's
+        start (no thread starts when the probe fails)."""
+        problem = probe()
+        if problem is not None:
+            return problem
         try:
             return self._pool.submit(_try_ids).result(timeout=10)
         except Exception as exc:  # a thread that cannot start (groups), or none in time
@@ -279,11 +283,7 @@ def _split(value: Any) -> tuple[str, str, str] | None:
         value.encode()
     except UnicodeEncodeError:  # a lone surrogate: the agent's call cannot even carry it
         return None
-    if not value.startswith("/"):
-        value = "/workspace/" + value
-    spath = posixpath.normpath(value)
-    if spath.startswith("//"):
-        spath = "/" + spath.lstrip("/")
+    spath = entries.sandbox_path(value)
     for sroot in _ROOTS:
         if spath.startswith(sroot + "/"):
             return spath, sroot, spath[len(sroot) + 1 :]

@@ -330,14 +330,6 @@ class BwrapRuntime:
     def _prepare_file_threads(self) -> None:
         if not self._direct_files or self._file_threads is not None:
             return
-        problem = disk_files.probe()
-        if problem is not None:
-            log.warning(
-                "runtime.direct_files_unavailable worker=%s (%s): the agent serves every file",
-                self.worker_name,
-                problem,
-            )
-            return
         threads = disk_files.FileThreads()
         problem = threads.check()
         if problem is not None:
