@@ -109,6 +109,9 @@ class WorkerSettings(_Frozen):
     # whole files on a sandbox's own disk written and read by the worker itself, not through
     # the agent's pipes (worker/disk_files.py); off: every file call goes to the agent
     direct_files: bool = True
+    # the host's cgroup2 option favordynmods turned on at start (worker/dynmods.py): moves
+    # into a sandbox's cgroups do not wait for an RCU grace period (host-wide)
+    cgroup_favordynmods: bool = True
     heartbeat_interval: float = 10.0
     reconnect_min: float = 0.2
     reconnect_max: float = 5.0

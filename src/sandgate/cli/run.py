@@ -388,6 +388,16 @@ def worker(
             "memory (less a 10% reserve)",
         ),
     ] = 1.0,
+    cgroup_favordynmods: Annotated[
+        bool,
+        typer.Option(
+            "--cgroup-favordynmods/--no-cgroup-favordynmods",
+            envvar="SANDGATE_CGROUP_FAVORDYNMODS",
+            help="turn on the host's cgroup2 option favordynmods, so that moving a new "
+            "sandbox into its cgroups does not wait ~10 ms for the kernel (host-wide; see "
+            "docs/architecture.md)",
+        ),
+    ] = True,
     disk_overcommit: Annotated[
         float,
         typer.Option(
@@ -454,6 +464,7 @@ def worker(
         fd_share=fd_share,
         memory_overcommit=memory_overcommit,
         disk_overcommit=disk_overcommit,
+        cgroup_favordynmods=cgroup_favordynmods,
         pools=warm,
         faults=active_faults,
     )

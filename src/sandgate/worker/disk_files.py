@@ -49,6 +49,7 @@ from sandgate.agent import entries
 from sandgate.agent.frames import Header
 from sandgate.errors import from_wire
 from sandgate.tunnel.rpc import NoAnswerError
+from sandgate.worker import syscalls
 
 log = logging.getLogger(__name__)
 
@@ -98,28 +99,17 @@ class _CapData(ctypes.Structure):
 _CapSets = ctypes.Array[_CapData]  # the effective, permitted, inheritable of two words
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_syscall = _libc.syscall
-_syscall.restype = ctypes.c_long
 _setfsuid = _libc.setfsuid
 _setfsuid.argtypes = (ctypes.c_uint32,)
 _setfsgid = _libc.setfsgid
 _setfsgid.argtypes = (ctypes.c_uint32,)
 
 
-def _call(number: int, *args: Any) -> int:
-    """A raw system call; its OSError on failure."""
-    result = int(_syscall(ctypes.c_long(number), *args))
-    if result < 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code))
-    return result
-
-
 def _openat2(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
     how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE)
     path_bytes = ctypes.c_char_p(os.fsencode(path))
     size = ctypes.c_size_t(ctypes.sizeof(how))
-    return _call(_SYS_OPENAT2, ctypes.c_long(dirfd), path_bytes, ctypes.byref(how), size)
+    return syscalls.call(_SYS_OPENAT2, ctypes.c_long(dirfd), path_bytes, ctypes.byref(how), size)
 
 
 def _capabilities(change: Callable[[_CapSets], None] | None = None) -> _CapSets:
@@ -127,11 +117,11 @@ def _capabilities(change: Callable[[_CapSets], None] | None = None) -> _CapSets:
     _, capget, capset = _SYSCALLS[platform.machine()]
     head = _CapHeader(_CAP_VERSION_3, 0)
     sets = (_CapData * 2)()
-    _call(capget, ctypes.byref(head), ctypes.byref(sets))
+    syscalls.call(capget, ctypes.byref(head), ctypes.byref(sets))
     if change is not None:
         change(sets)
-        _call(capset, ctypes.byref(head), ctypes.byref(sets))
-        _call(capget, ctypes.byref(head), ctypes.byref(sets))
+        syscalls.call(capset, ctypes.byref(head), ctypes.byref(sets))
+        syscalls.call(capget, ctypes.byref(head), ctypes.byref(sets))
     return sets
 
 
@@ -162,7 +152,7 @@ def probe() -> str | None:
 
 def _drop_groups() -> None:
     """A file thread's start: no supplementary groups on this thread (the sandbox has none)."""
-    _call(_SYSCALLS[platform.machine()][0], ctypes.c_long(0), None)
+    syscalls.call(_SYSCALLS[platform.machine()][0], ctypes.c_long(0), None)
 
 
 class FileThreads:

@@ -144,6 +144,7 @@ def make_runtime(settings: WorkerSettings, state_dir: Path, agent_dir: Path) -> 
             egress=egress_config(settings),
             fd_share=settings.fd_share,
             direct_files=settings.direct_files,
+            favor_dynmods=settings.cgroup_favordynmods,
             workspaces=WorkspaceHost(
                 # by default shared by the workers started with the same --state-dir
                 (settings.workspace_root or settings.state_dir / "workspaces").absolute(),

@@ -58,6 +58,7 @@ from sandgate.worker import (
     cgroups,
     disk,
     disk_files,
+    dynmods,
     fds,
     idmap,
     loopmount,
@@ -210,11 +211,14 @@ class BwrapRuntime:
         fd_share: float = fds.DEFAULT_FD_SHARE,
         workspaces: WorkspaceHost | None = None,
         direct_files: bool = True,
+        favor_dynmods: bool = True,
     ) -> None:
         """`uid_lock_dir` must be shared by every worker on the host that uses an overlapping
         uid range; the default is host-wide (/run/sandgate/uids), not per state_dir.
         `direct_files`: whole files on a sandbox's own disk are written and read by the
-        worker itself where the host allows (`disk_files.py`), else all through the agent."""
+        worker itself where the host allows (`disk_files.py`), else all through the agent.
+        `favor_dynmods`: the host's cgroup2 option favordynmods is turned on at prepare
+        (`dynmods.py`), so that a start's move into its cgroups does not wait."""
         if not NAME_RE.fullmatch(worker_name):
             raise ValueError(f"invalid worker name {worker_name!r}: use [a-z0-9-], 1-63 chars")
         self.state_dir = Path(state_dir).absolute()
@@ -227,6 +231,7 @@ class BwrapRuntime:
         self._network_problem = "the runtime is not prepared"
         self._network_changes = asyncio.Lock()  # one set_network at a time: links, slots
         self._direct_files = direct_files
+        self._favor_dynmods = favor_dynmods
         self._file_threads: disk_files.FileThreads | None = None  # set at prepare if it can
         self.uids = UidPool(uid_lock_dir or DEFAULT_UID_LOCK_DIR, uid_base, uid_count)
         self.sandboxes_dir = self.state_dir / "sandboxes"
@@ -298,6 +303,8 @@ class BwrapRuntime:
         self._cg_host = CgroupHost.detect()
         await bwrap_host.remove_leftovers(self._cg_host, self.worker_name, self.sandboxes_dir)
         self._limits = self._cg_host.prepare(self.worker_name)
+        if self._favor_dynmods:
+            self._favor_cgroup_moves()
         self._cgroup_kill = self._cg_host.has_cgroup_kill(self.worker_name)
         self._memsw = self._cg_host.memory_includes_swap(self.worker_name)
         bwrap_host.warn_missing_limits(self._limits, self.worker_name)
@@ -326,6 +333,16 @@ class BwrapRuntime:
         self._prepare_file_threads()
         self._prepared = True
         log.info("runtime.prepared worker=%s features=%s", self.worker_name, self.features())
+
+    def _favor_cgroup_moves(self) -> None:
+        problem = dynmods.favor()
+        if problem is not None:
+            log.warning(
+                "runtime.cgroup_moves_wait worker=%s (%s): each sandbox start may wait ~10 ms "
+                "for the kernel to move it into its cgroups",
+                self.worker_name,
+                problem,
+            )
 
     def _prepare_file_threads(self) -> None:
         if not self._direct_files or self._file_threads is not None:
