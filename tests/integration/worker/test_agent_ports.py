@@ -3,6 +3,7 @@ servers on this host's loopback (the agent runs here as a plain subprocess)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -40,6 +41,11 @@ class Server:
         return self.accepted[n]
 
     def close(self) -> None:
+        # shutdown wakes the accept (close alone does not), and the join makes sure no
+        # connection accepted meanwhile is left open (a ResourceWarning in a later test)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.thread.join(timeout=5)
         self.sock.close()
         for conn in self.accepted:
             conn.close()
