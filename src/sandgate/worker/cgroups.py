@@ -33,29 +33,6 @@ LIMIT_CONTROLLERS = ("memory", "pids", "cpu")
 CPU_PERIOD_US = 100_000
 TOP = "sandgate"
 
-# A tiny sh that moves itself into each cgroup, then execs the rest of its argv.
-# argv: sh -c JOIN_SCRIPT sandgate-join N procs_1 .. procs_N cmd args...
-# sh exports PWD (its cwd) to what it execs even when started without one; unset it, so the
-# command gets exactly the environment the caller gave sh.
-JOIN_SCRIPT = (
-    "unset PWD OLDPWD; "
-    'n=$1; shift; while [ "$n" -gt 0 ]; do '
-    'echo $$ > "$1" || { echo "sandgate: cannot join cgroup $1" >&2; exit 97; }; '
-    'shift; n=$((n - 1)); done; exec "$@"'
-)
-
-
-def join_argv(procs_files: list[Path], argv: list[str]) -> list[str]:
-    return [
-        "/bin/sh",
-        "-c",
-        JOIN_SCRIPT,
-        "sandgate-join",
-        str(len(procs_files)),
-        *(str(p) for p in procs_files),
-        *argv,
-    ]
-
 
 def unescape_mountinfo(path: str) -> str:
     # mountinfo escapes space, tab, newline and backslash as \ooo

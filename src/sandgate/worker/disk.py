@@ -9,7 +9,7 @@ the file system is gone (`loopmount.py`, which mounts it in-process).
 
 A sandbox without a template gets its disk **detached** (`create(..., detached=True)`): the
 worker holds the mount as an fd and the sandbox's own mount namespace moves it to
-`mount_point` (`loopmount.move_argv`), so the worker's mount table does not grow with the
+`mount_point` (`root_step.py`), so the worker's mount table does not grow with the
 sandboxes it holds. A template sandbox's overlay needs its upper directory on a path: its
 disk is attached at `mount_point` in the worker's table.
 

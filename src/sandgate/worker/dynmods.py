@@ -1,7 +1,7 @@
 """Moves into cgroups without a wait for RCU: the cgroup2 option `favordynmods`.
 
 Every sandbox start moves its first process into the sandbox's groups: a write of its pid
-to `cgroup.procs` in each hierarchy (`cgroups.join_argv`). By default the kernel guards such
+to `cgroup.procs` in each hierarchy (`root_step.py`). By default the kernel guards such
 a move with one per-CPU rwsem for the whole host, and taking it for writing waits for an RCU
 grace period unless another move came just before. Sandbox starts are spaced further apart
 than that, so each one waited: 7-14 ms of a 50 ms create on a 2-CPU VM (docs/benchmarks.md,

@@ -9,7 +9,7 @@ process spawns. Here it is a handful of syscalls whatever the count.
 
 `mount_detached` gives a **detached** mount, an fd not in any mount table: the worker reads
 and writes it through ``/proc/<its pid>/fd/N`` and a sandbox's own mount namespace can move it
-into place (`move_argv`), so the worker's mount table, which every sandbox start copies,
+into place (`root_step.py`), so the worker's mount table, which every sandbox start copies,
 does not grow with the sandboxes. `attach` puts it in the caller's table instead.
 
 The loop device detaches itself once the file system is gone (``LO_FLAGS_AUTOCLEAR``): when
@@ -23,7 +23,6 @@ import errno
 import fcntl
 import os
 import platform
-import shutil
 from pathlib import Path
 from typing import Final
 
@@ -173,14 +172,3 @@ def fd_path(mount_fd: int) -> Path:
     """A path of the detached mount's root while the fd is open: for this process, and for
     root's tools it runs (no other uid may follow another process's descriptors)."""
     return Path(f"/proc/{os.getpid()}/fd/{mount_fd}")
-
-
-def move_argv(mount_fd: int, target: Path) -> list[str]:
-    """The argv of a step of a sandbox's launch chain, run in the sandbox's own mount
-    namespace while it still has root, that moves the worker's detached mount to `target`
-    (the mount is then in that namespace alone) and execs the rest of the argv.
-    ``mount -c`` takes the path as given: the fd's magic link must not be resolved."""
-    source = str(fd_path(mount_fd))
-    mount = shutil.which("mount") or "/usr/bin/mount"  # the chain runs with no PATH
-    script = f'unset PWD OLDPWD; {mount} -c --move "$0" "$1" || exit 125; shift; exec "$@"'
-    return ["/bin/sh", "-c", script, source, str(target)]

@@ -26,9 +26,9 @@ Host preparation (tools, uid range, state directories, leftovers, cgroups, /etc,
 filter, disk and file-table probes) is in `bwrap_host.py`; this module starts and stops one
 sandbox.
 
-Process chain: worker -> sh (joins cgroups) -exec-> nsenter (joins the network namespace)
--exec-> unshare (a mount namespace of its own) -exec-> sh (moves the detached disk in, see
-`disk.py`) -exec-> prlimit -exec-> setpriv -exec-> bwrap
+Process chain: worker -> nsenter (joins the network namespace) -exec-> unshare (a mount
+namespace of its own) -exec-> sh (`root_step.py`: joins the cgroups, sets the descriptor
+limit, moves the detached disk in, see `disk.py`) -exec-> setpriv -exec-> bwrap
 (outer, the `process` returned) -> bwrap's pid-1 reaper -> the agent (or a probe ``argv``).
 
 The chain starts in ``/`` with an empty environment: bwrap's pid 1 keeps the environment and
@@ -72,6 +72,7 @@ from sandgate.worker.disk_files import DiskFiles
 from sandgate.worker.egress import EgressConfig, EgressGate
 from sandgate.worker.layers import layer_name
 from sandgate.worker.pipes import PIPE_LIMIT, widen_pipes
+from sandgate.worker.root_step import root_step_argv
 from sandgate.worker.runtime import bwrap_host
 from sandgate.worker.runtime.base import ImageSpec, RunningSandbox, SandboxSpec
 from sandgate.worker.runtime.bwrap_host import SANDBOX_UID, untraversable
@@ -240,7 +241,6 @@ class BwrapRuntime:
         self._prepared = False
         self._bwrap = "/usr/bin/bwrap"
         self._setpriv = "/usr/bin/setpriv"
-        self._prlimit = "/usr/bin/prlimit"
         self._nsenter = "/usr/bin/nsenter"
         self._unshare = "/usr/bin/unshare"
         self._cg_host: CgroupHost | None = None
@@ -295,7 +295,7 @@ class BwrapRuntime:
 
     async def prepare(self) -> None:
         """Check and set up this host before any start(); `bwrap_host` has each step."""
-        self._bwrap, self._setpriv, self._prlimit = bwrap_host.find_tools()
+        self._bwrap, self._setpriv = bwrap_host.find_tools()
         await bwrap_host.check_bwrap_version(self._bwrap)
         bwrap_host.check_uid_range(self.uids)
         bwrap_host.make_state_dirs(self.state_dir, self.sandboxes_dir, self.uids)
@@ -547,11 +547,12 @@ class BwrapRuntime:
                 args_fd,
                 argv,
                 nofile=self.nofile_for(spec),
+                procs_files=cg.procs_files,
                 net=net,
                 own_disk=made if made is not None and made.detached else None,
             )
             process = await asyncio.create_subprocess_exec(
-                *cgroups.join_argv(cg.procs_files, cmd),
+                *cmd,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log_fd,
@@ -681,32 +682,26 @@ class BwrapRuntime:
         argv: list[str],
         *,
         nofile: int,
+        procs_files: list[Path],
         net: netns.SandboxNet | None = None,
         own_disk: disk.SandboxDisk | None = None,
     ) -> list[str]:
-        """prlimit sets the descriptor limit (soft and hard: the sandbox cannot raise it),
-        setpriv drops to the sandbox uid, then execs bwrap, which reads its options from
-        `args_fd` (so neither host `ps` nor the sandbox's /proc/1/cmdline shows host paths or
-        the sandbox's environment; only `argv` is visible). With `net`, nsenter first puts the
-        chain in the sandbox's network namespace (as root: the sandbox's own user namespace,
-        made by bwrap below, then holds no capability over it). With a detached `own_disk`,
-        the chain then gets a mount namespace of its own, private, and moves the disk into
-        it: bwrap's set-up copies that table, which does not grow with the sandboxes held."""
+        """With `net`, nsenter first puts the chain in the sandbox's network namespace (as
+        root: the sandbox's own user namespace, made by bwrap below, then holds no capability
+        over it). With a detached `own_disk`, the chain then gets a mount namespace of its
+        own, private, for the disk to be moved into: bwrap's set-up copies that table, which
+        does not grow with the sandboxes held. The root step (`root_step.py`) joins the
+        cgroups of `procs_files`, sets the descriptor limit (soft and hard: the sandbox cannot
+        raise it) and moves the disk in; setpriv drops to the sandbox uid, then execs bwrap,
+        which reads its options from `args_fd` (so neither host `ps` nor the sandbox's
+        /proc/1/cmdline shows host paths or the sandbox's environment; only `argv` is
+        visible)."""
         enter = [] if net is None else [self._nsenter, f"--net={net.path}", "--"]
+        move: tuple[Path, Path] | None = None
         if own_disk is not None:
-            enter += [
-                self._unshare,
-                "--mount",
-                "--propagation",
-                "private",
-                "--",
-                *loopmount.move_argv(own_disk.mount_fd, own_disk.mount_point),
-            ]
-        return [
-            *enter,
-            self._prlimit,
-            f"--nofile={nofile}:{nofile}",
-            "--",
+            enter += [self._unshare, "--mount", "--propagation", "private", "--"]
+            move = (loopmount.fd_path(own_disk.mount_fd), own_disk.mount_point)
+        drop = [
             self._setpriv,
             f"--reuid={uid}",
             f"--regid={uid}",
@@ -720,6 +715,7 @@ class BwrapRuntime:
             "--",
             *argv,
         ]
+        return [*enter, *root_step_argv(procs_files, nofile, move, drop)]
 
     def _bwrap_args(
         self,

@@ -2,7 +2,7 @@
 
 Once per worker start, before any sandbox (`bwrap.py` starts and stops them):
 
-* the tools (``bwrap`` >= 0.8, ``setpriv``, ``prlimit``, ``/bin/sh``) and root;
+* the tools (``bwrap`` >= 0.8, ``setpriv``, ``mount``, ``/bin/sh``) and root;
 * the sandbox uid range belongs to no host account;
 * the state directories exist and unprivileged uids can traverse them;
 * leftovers of an earlier run of this worker are removed: processes and cgroups first, then
@@ -67,14 +67,15 @@ def untraversable(path: Path) -> Path | None:
     return None
 
 
-def find_tools() -> tuple[str, str, str]:
-    """(bwrap, setpriv, prlimit): the programs every sandbox's chain execs, checked present."""
+def find_tools() -> tuple[str, str]:
+    """(bwrap, setpriv): the programs every sandbox's chain execs, checked present (and
+    `mount`, which the root step runs for a sandbox's own disk)."""
     if os.geteuid() != 0:
         raise WorkerError("the bwrap runtime must run as root (it drops to a uid per sandbox)")
     bwrap = shutil.which("bwrap") or "/usr/bin/bwrap"
     setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
-    prlimit = shutil.which("prlimit") or "/usr/bin/prlimit"
-    needed = ((bwrap, "bubblewrap"), (setpriv, "util-linux"), (prlimit, "util-linux"))
+    mount = shutil.which("mount") or "/usr/bin/mount"
+    needed = ((bwrap, "bubblewrap"), (setpriv, "util-linux"), (mount, "mount"))
     for path, package in needed:
         if not os.access(path, os.X_OK):
             raise WorkerError(
@@ -82,7 +83,7 @@ def find_tools() -> tuple[str, str, str]:
             )
     if not os.access("/bin/sh", os.X_OK):
         raise WorkerError("/bin/sh not found")
-    return bwrap, setpriv, prlimit
+    return bwrap, setpriv
 
 
 async def check_bwrap_version(bwrap: str) -> None:
