@@ -7,6 +7,7 @@ import logging
 
 from sandgate.agent.frames import PREFIX, FrameError, Header, lengths, parse_header
 from sandgate.tunnel.rpc import RpcChannel
+from sandgate.worker.child import ChildProcess
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[Header, bytes] | Non
 
 
 class AgentLink:
-    def __init__(self, name: str, process: asyncio.subprocess.Process) -> None:
+    def __init__(self, name: str, process: ChildProcess) -> None:
         assert process.stdin is not None and process.stdout is not None
         self.name = name
         self._process = process

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
+
+from sandgate.worker.child import ChildProcess
 
 # The agent's pipes: a reader that buffers up to PIPE_LIMIT before it pauses the pipe (the
 # asyncio default, 64 KiB, paused and resumed it many times for one file chunk), and pipes of
@@ -15,7 +16,7 @@ PIPE_LIMIT = 1 << 20
 PIPE_BYTES = 1 << 20
 
 
-def widen_pipes(process: asyncio.subprocess.Process) -> None:
+def widen_pipes(process: ChildProcess) -> None:
     """Give the agent's stdin and stdout pipes PIPE_BYTES (best effort: the default works)."""
     for stream in (process.stdin, process.stdout):
         transport = getattr(stream, "transport", None) or getattr(stream, "_transport", None)

@@ -157,6 +157,16 @@ WORKER_OBJECT_STATE: Mapping[str, StateRow] = MappingProxyType(
             "one lock per worker",
             "per-process by nature: the links are this host's",
         ),
+        "Spawner._waiting": StateRow(
+            "the starts handed to the spawner's thread, waiting for its pid",
+            "one per sandbox start in progress",
+            "per-process by nature: the thread starts this worker's sandboxes",
+        ),
+        "SpawnedProcess._exited": StateRow(
+            "the exit code of a sandbox's first process, once its pidfd says it exited",
+            "one per running sandbox",
+            "per-process by nature: only the parent can wait for it",
+        ),
         "DiskFiles._lock": StateRow(
             "serialises taking a sandbox disk's descriptor against its release",
             "one lock per running sandbox",

@@ -17,6 +17,7 @@ import pytest
 from sandgate.worker import disk, fds
 from sandgate.worker.runtime.base import SandboxSpec
 from sandgate.worker.runtime.bwrap import BwrapRuntime
+from sandgate.worker.spawner import SpawnedProcess
 from tests.integration.worker.conftest import Env, other_runtime
 from tests.integration.worker.test_runtime_bwrap import py, readline, run, uniq
 
@@ -217,7 +218,8 @@ def test_a_restart_after_a_crash_leaves_no_mount_or_loop_device(env: Env) -> Non
         await readline(sb)
         # the worker "crashes": never stopped; its pipes close and the sandbox dies with
         # them, and its descriptors (the detached disk's) close with it
-        sb.process._transport.close()  # type: ignore[attr-defined]
+        assert isinstance(sb.process, SpawnedProcess)
+        sb.process.close_pipes()
         await sb.process.wait()
         os.close(sb.private["disk"].mount_fd)
         sandbox_dir: Path = sb.private["sandbox_dir"]

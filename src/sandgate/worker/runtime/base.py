@@ -7,13 +7,13 @@ process. The worker talks to the agent over those pipes.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from sandgate.core.egress_policy import NO_NETWORK, NetworkPolicy
 from sandgate.core.workspaces import ResolvedMount
+from sandgate.worker.child import ChildProcess
 from sandgate.worker.disk_files import DiskFiles
 
 
@@ -68,7 +68,7 @@ class SandboxSpec:
 @dataclass
 class RunningSandbox:
     spec: SandboxSpec
-    process: asyncio.subprocess.Process  # stdin/stdout are the agent's frame pipes
+    process: ChildProcess  # stdin/stdout are the agent's frame pipes
     workspace: Path  # where the worker reaches /workspace (while the sandbox runs)
     # runtime-private handles (uid lease, cgroup paths, ...) needed by stop()
     private: dict[str, Any] = field(default_factory=dict)

@@ -65,6 +65,7 @@ from sandgate.worker import (
     netns,
     rootfs,
     seccomp,
+    spawner,
 )
 from sandgate.worker.cgroups import CgroupHost, SandboxCgroups
 from sandgate.worker.cleanup import remove_tree
@@ -91,6 +92,9 @@ SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DEFAULT_UID_LOCK_DIR = Path("/run/sandgate/uids")
+# the descriptors bwrap reads its seccomp filter and its options from, in the chain
+SECCOMP_CHILD_FD = 3
+ARGS_CHILD_FD = 4
 
 
 def agent_argv() -> list[str]:
@@ -234,6 +238,7 @@ class BwrapRuntime:
         self._direct_files = direct_files
         self._favor_dynmods = favor_dynmods
         self._file_threads: disk_files.FileThreads | None = None  # set at prepare if it can
+        self._spawner: spawner.Spawner | None = None  # set at prepare
         self.uids = UidPool(uid_lock_dir or DEFAULT_UID_LOCK_DIR, uid_base, uid_count)
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.etc_dir = self.state_dir / "etc"
@@ -331,6 +336,11 @@ class BwrapRuntime:
             await asyncio.to_thread(self.workspaces.prepare, disk_problem=self._disk_problem)
         self._file_limits = bwrap_host.file_limits()
         self._prepare_file_threads()
+        if self._spawner is None:
+            try:
+                self._spawner = spawner.Spawner()
+            except OSError as exc:
+                raise WorkerError(f"cannot start the sandbox spawner thread: {exc}") from exc
         self._prepared = True
         log.info("runtime.prepared worker=%s features=%s", self.worker_name, self.features())
 
@@ -539,27 +549,27 @@ class BwrapRuntime:
             )
             seccomp_fd = seccomp.open_filter(self.seccomp_path)
             args = self._bwrap_args(
-                spec, workspace, tmp, seccomp_fd, root, points, inner_uid, binds=binds
+                spec, workspace, tmp, SECCOMP_CHILD_FD, root, points, inner_uid, binds=binds
             )
             args_fd = _memfd_with(b"".join(a.encode() + b"\0" for a in args))
             cmd = self._command(
                 uid,
-                args_fd,
+                ARGS_CHILD_FD,
                 argv,
                 nofile=self.nofile_for(spec),
                 procs_files=cg.procs_files,
                 net=net,
                 own_disk=made if made is not None and made.detached else None,
             )
-            process = await asyncio.create_subprocess_exec(
-                *cmd,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
+            assert self._spawner is not None  # prepared
+            # in /, with no environment (pid 1's /proc/1/environ: nothing of the host, see the
+            # docstring), in a session of its own (the worker's terminal signals must not
+            # reach it), from a thread whose descriptor table holds none of the sandboxes'
+            process = await spawner.start(
+                self._spawner,
+                cmd,
                 stderr=log_fd,
-                pass_fds=(seccomp_fd, args_fd),
-                cwd="/",  # not the worker's: the host path must not reach pid 1 or pin a mount
-                env={},  # pid 1's /proc/1/environ: nothing of the host (see the docstring)
-                start_new_session=True,  # the worker's terminal signals must not reach it
+                pass_fds={SECCOMP_CHILD_FD: seccomp_fd, ARGS_CHILD_FD: args_fd},
                 limit=PIPE_LIMIT,
             )
             widen_pipes(process)
@@ -810,6 +820,9 @@ class BwrapRuntime:
             await self.net.remove(net)
 
     async def close(self) -> None:
+        if self._spawner is not None:  # what it started still running dies with its thread
+            self._spawner.close()
+            self._spawner = None
         if self._file_threads is not None:
             self._file_threads.close()
             self._file_threads = None

@@ -1,0 +1,176 @@
+"""Processes started from the spawner's thread (worker/spawner.py): what the child gets (only
+the descriptors it is given, at their numbers; `/`; no environment; a session of its own;
+default SIGPIPE), what stays behind (nothing in the thread's table, nothing in the worker's),
+how a failure, a cancelled start and the thread's end are handled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandgate.worker import spawner
+from sandgate.worker.spawner import Spawner
+
+REPORT = """
+import json, os, signal
+print(json.dumps({
+    "fds": sorted(int(n) for n in os.listdir("/proc/self/fd")),
+    "cwd": os.getcwd(),
+    "env": dict(os.environ),
+    "session": os.getsid(0) == os.getpid(),
+    "three": os.read(3, 100).decode(),
+}), flush=True)
+"""
+
+
+@pytest.fixture
+def made() -> Iterator[Spawner]:
+    one = Spawner()
+    try:
+        yield one
+    finally:
+        one.close()
+
+
+def reaped(pid: int) -> bool:
+    """Is `pid` no child of this process any more (exited and waited for)?"""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def thread_fds(one: Spawner) -> list[str]:
+    tid = one._thread.native_id
+    return sorted(os.listdir(f"/proc/self/task/{tid}/fd"), key=int)
+
+
+def test_the_child_gets_only_what_it_is_given(made: Spawner, tmp_path: Path) -> None:
+    extra = tmp_path / "three"
+    extra.write_text("the third")
+
+    async def main() -> dict[str, Any]:
+        fd = os.open(extra, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            child = await spawner.start(
+                made, [sys.executable, "-c", REPORT], stderr=2, pass_fds={3: fd}, limit=1 << 16
+            )
+        finally:
+            os.close(fd)
+        out, _ = await child.communicate()
+        assert child.returncode == 0
+        # Python ignores SIGPIPE itself: a shell shows what the spawn left
+        shell = await spawner.start(
+            made, ["/bin/sh", "-c", "grep SigIgn /proc/self/status"], stderr=2, pass_fds={}, limit=1
+        )
+        ignored, _ = await shell.communicate()
+        return {**json.loads(out), "ignored": int(ignored.split()[1], 16)}
+
+    before = len(os.listdir("/proc/self/fd"))
+    seen = asyncio.run(main())
+    # 0-2 and 3, and the directory listing's own descriptor
+    assert seen["fds"][:4] == [0, 1, 2, 3] and len(seen["fds"]) == 5, seen["fds"]
+    assert seen["cwd"] == "/"
+    assert seen["env"] in ({}, {"LC_CTYPE": "C.UTF-8"})  # Python may set its own locale
+    assert seen["session"] is True
+    assert seen["ignored"] & (1 << (signal.SIGPIPE - 1)) == 0  # the worker's SIG_IGN is not
+    assert seen["three"] == "the third"
+    assert len(os.listdir("/proc/self/fd")) == before  # the pipes are closed once done
+    # the thread holds only its way back and its pidfd of the worker (and 0-2)
+    assert len(thread_fds(made)) <= 5, thread_fds(made)
+
+
+def test_a_failed_spawn_is_the_callers_and_the_thread_serves_on(made: Spawner) -> None:
+    async def main() -> int:
+        with pytest.raises(FileNotFoundError):
+            await spawner.start(made, ["/no/such/program"], stderr=2, pass_fds={}, limit=1 << 16)
+        child = await spawner.start(
+            made, ["/bin/sh", "-c", "exit 7"], stderr=2, pass_fds={}, limit=1 << 16
+        )
+        return await child.wait()
+
+    assert asyncio.run(main()) == 7
+    with pytest.raises(ValueError, match="not below"):
+        asyncio.run(made.spawn(["/bin/true"], {100: 0}))
+
+
+def test_exit_codes_kill_and_a_second_kill(made: Spawner) -> None:
+    async def main() -> None:
+        child = await spawner.start(
+            made, ["/bin/sleep", "30"], stderr=2, pass_fds={}, limit=1 << 16
+        )
+        assert child.returncode is None
+        child.kill()
+        assert await child.wait() == -signal.SIGKILL
+        assert child.returncode == -signal.SIGKILL
+        with pytest.raises(ProcessLookupError):
+            child.kill()
+        assert reaped(child.pid)  # no zombie left with its pid
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_start_leaves_no_process(made: Spawner, tmp_path: Path) -> None:
+    started: list[int] = []
+
+    async def main() -> None:
+        gate = threading.Event()
+        real = made._spawn
+
+        def slow(leader: int, job: object) -> int:  # the thread is inside the spawn
+            gate.wait(5)
+            started.append(real(leader, job))  # type: ignore[arg-type]
+            return started[-1]
+
+        made._spawn = slow  # type: ignore[method-assign]
+        starting = asyncio.ensure_future(
+            spawner.start(made, ["/bin/sleep", "30"], stderr=2, pass_fds={}, limit=1)
+        )
+        await asyncio.sleep(0.1)
+        starting.cancel()
+        await asyncio.sleep(0)
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+        assert len(started) == 1  # it was started all the same
+        for _ in range(100):  # killed, then reaped by the loop
+            await asyncio.sleep(0.05)
+            if reaped(started[0]):
+                return
+        raise AssertionError(f"the process of a cancelled start ({started[0]}) is still there")
+
+    asyncio.run(main())
+
+
+def test_what_it_started_dies_with_its_thread() -> None:
+    """A child that asked for its parent's death signal (bwrap --die-with-parent does) dies
+    when the spawner's thread ends: it is the thread's, not the worker's main thread's."""
+    one = Spawner()
+    code = (
+        "import ctypes, signal, time; ctypes.CDLL(None).prctl(1, int(signal.SIGKILL)); "
+        "print('armed', flush=True); time.sleep(60)"
+    )
+
+    async def main() -> int:
+        child = await spawner.start(
+            one, [sys.executable, "-c", code], stderr=2, pass_fds={}, limit=1 << 16
+        )
+        assert child.stdout is not None
+        assert await child.stdout.readline() == b"armed\n"
+        assert child.returncode is None
+        one.close()
+        return await asyncio.wait_for(child.wait(), 10)
+
+    assert asyncio.run(main()) == -signal.SIGKILL
+    with pytest.raises(OSError, match="closed"):
+        asyncio.run(one.spawn(["/bin/true"], {}))
