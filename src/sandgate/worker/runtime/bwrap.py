@@ -26,7 +26,9 @@ Host preparation (tools, uid range, state directories, leftovers, cgroups, /etc,
 filter, disk and file-table probes) is in `bwrap_host.py`; this module starts and stops one
 sandbox.
 
-Process chain: worker -> nsenter (joins the network namespace) -exec-> unshare (a mount
+Process chain: worker's spawner thread (`spawner.py`: a descriptor table of its own, so a
+start copies none of the sandboxes' descriptors) -> nsenter (joins the network namespace)
+-exec-> unshare (a mount
 namespace of its own) -exec-> sh (`root_step.py`: joins the cgroups, sets the descriptor
 limit, moves the detached disk in, see `disk.py`) -exec-> setpriv -exec-> bwrap
 (outer, the `process` returned) -> bwrap's pid-1 reaper -> the agent (or a probe ``argv``).
