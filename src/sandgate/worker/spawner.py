@@ -58,9 +58,14 @@ class _Job:
 class Spawner:
     """One thread that starts processes with only the descriptors they are given.
 
-    The thread tells the event loop of each result through a pipe made before it left the
-    shared table: an asyncio wake-up from the thread itself would write to a descriptor
-    number the thread no longer has. The pipe is read by the loop of the latest `spawn`."""
+    The thread tells the event loop of each result through a pipe of the worker's: an
+    asyncio wake-up from the thread itself would write to a descriptor number the thread
+    does not have. The pipe is read by the loop of the latest `spawn`, which also looks for
+    results once a second, whatever the pipe says.
+
+    The thread keeps no descriptor open between jobs (0-2 aside): a finaliser the garbage
+    collector happens to run on it closes a number in the thread's table, not the one the
+    object held, and with nothing kept there it cannot close one of the thread's own."""
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -97,7 +102,10 @@ class Spawner:
         self._waiting[number] = done
         self._jobs.put(_Job(number, tuple(argv), dict(fds)))
         try:
-            return await done
+            while not done.done():
+                await asyncio.wait({done}, timeout=1.0)
+                self._collect()
+            return done.result()
         finally:
             self._waiting.pop(number, None)
 
@@ -139,11 +147,8 @@ class Spawner:
             if _libc.unshare(ctypes.c_int(_CLONE_FILES | _CLONE_FS)) != 0:
                 code = ctypes.get_errno()
                 raise OSError(code, f"unshare: {os.strerror(code)}")
-            # this thread's copies only (the table is its own now), but the way back
-            os.closerange(3, self._notify)
-            os.closerange(self._notify + 1, 1 << 30)
+            os.closerange(3, 1 << 30)  # this thread's copies only: the table is its own now
             os.chdir("/")  # what it starts must not hold the worker's directory
-            leader = os.pidfd_open(os.getpid())  # the worker's table is its leader's
         except BaseException as exc:
             ready.set_exception(exc)
             return
@@ -152,13 +157,26 @@ class Spawner:
             job = self._jobs.get()
             if job is None:
                 return
+            result: int | BaseException
             try:
-                result: int | BaseException = self._spawn(leader, job)
-            except BaseException as exc:  # the job's failure, never the thread's
-                result = exc
-            self._results.put((job.number, result))
-            with contextlib.suppress(OSError):  # full: the loop is already told
-                os.write(self._notify, b"\0")
+                leader = os.pidfd_open(os.getpid())  # the worker's table is its leader's
+            except OSError as exc:
+                self._results.put((job.number, exc))
+                continue  # the loop finds it within a second
+            try:
+                try:
+                    result = self._spawn(leader, job)
+                except BaseException as exc:  # the job's failure, never the thread's
+                    result = exc
+                self._results.put((job.number, result))
+                with contextlib.suppress(OSError):  # full: the loop is already told
+                    notify = _copy_of(leader, self._notify)
+                    try:
+                        os.write(notify, b"\0")
+                    finally:
+                        os.close(notify)
+            finally:
+                os.close(leader)
 
     @staticmethod
     def _spawn(leader: int, job: _Job) -> int:
@@ -169,9 +187,7 @@ class Spawner:
             for number, fd in job.fds.items():
                 if number >= _ABOVE:
                     raise ValueError(f"child descriptor {number} is not below {_ABOVE}")
-                got = syscalls.call(
-                    _SYS_PIDFD_GETFD, ctypes.c_int(leader), ctypes.c_int(fd), ctypes.c_uint(0)
-                )
+                got = _copy_of(leader, fd)
                 try:
                     local[number] = fcntl.fcntl(got, fcntl.F_DUPFD_CLOEXEC, _ABOVE)
                 finally:
@@ -312,3 +328,8 @@ def _kill_and_reap(loop: asyncio.AbstractEventLoop, pid: int) -> None:
             os.close(pidfd)
 
     loop.add_reader(pidfd, reap)
+
+
+def _copy_of(leader: int, fd: int) -> int:
+    """A close-on-exec copy, in the calling thread's table, of the worker's descriptor `fd`."""
+    return syscalls.call(_SYS_PIDFD_GETFD, ctypes.c_int(leader), ctypes.c_int(fd), ctypes.c_uint(0))
