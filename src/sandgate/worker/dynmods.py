@@ -84,8 +84,11 @@ def favor(
         return f"this kernel has no cgroup2 option {OPTION} (Linux 6.1 or later has it)"
     try:
         _reconfigure(found.mount_point, (*found.options, OPTION))
+        now = find_cgroup2(mountinfo.read_text())
     except OSError as exc:
         return f"cannot set {OPTION} on {found.mount_point}: {exc.strerror}"
+    if now is None or OPTION not in now.options:  # e.g. from a cgroup namespace of its own
+        return f"{OPTION} did not take on {found.mount_point} (a cgroup namespace of its own?)"
     log.info("cgroup.favordynmods_on mount=%s (host-wide)", found.mount_point)
     return None
 

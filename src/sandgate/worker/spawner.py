@@ -26,7 +26,9 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
+import gc
 import itertools
+import logging
 import os
 import queue
 import signal
@@ -46,13 +48,14 @@ _ABOVE: Final = 100  # the thread's copies sit above every child number: no dup2
 _DEFAULT_SIGNALS: Final = (signal.SIGPIPE, signal.SIGXFSZ)
 
 _libc = ctypes.CDLL(None, use_errno=True)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class _Job:
     number: int
     argv: Sequence[str]
-    fds: Mapping[int, int]  # the child's number -> the worker's descriptor
+    fds: Mapping[int, int]  # the child's number -> the job's own copy in the worker's table
 
 
 class Spawner:
@@ -63,16 +66,21 @@ class Spawner:
     does not have. The pipe is read by the loop of the latest `spawn`, which also looks for
     results once a second, whatever the pipe says.
 
-    The thread keeps no descriptor open between jobs (0-2 aside): a finaliser the garbage
-    collector happens to run on it closes a number in the thread's table, not the one the
-    object held, and with nothing kept there it cannot close one of the thread's own."""
+    A job owns copies of its descriptors from the moment it is queued until its result is
+    collected, so the caller may close its own at once, and a cancelled `spawn` leaves the
+    job to `_collect`, which kills and reaps what it started. The thread blocks every signal
+    (Python's handler would write the loop's wake-up byte into the thread's own table), runs
+    each job with the garbage collector off (a finaliser would close a number in the
+    thread's table, not the one its object held) and keeps no descriptor between jobs."""
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[tuple[int, int | BaseException]] = queue.SimpleQueue()
         self._waiting: dict[int, asyncio.Future[int]] = {}
+        self._owned: dict[int, list[int]] = {}  # job -> its copies, until collected
         self._numbers = itertools.count()
+        self._closed = False
         self._notified, self._notify = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         ready: Future[None] = Future()
         self._thread = threading.Thread(
@@ -88,36 +96,66 @@ class Spawner:
             raise
 
     async def spawn(self, argv: Sequence[str], fds: Mapping[int, int]) -> int:
-        """Start `argv` with `fds` (child number -> the worker's descriptor, left open for the
-        caller to close); its pid."""
-        if not self._thread.is_alive():
+        """Start `argv` with `fds` (child number -> a descriptor of the caller's, copied:
+        the caller may close its own once this is called); its pid. Cancelled, the job still
+        runs and what it started is killed and reaped."""
+        if self._closed or not self._thread.is_alive():
             raise OSError("the spawner is closed")
+        for number in fds:
+            if not 0 <= number < _ABOVE:
+                raise ValueError(f"child descriptor {number} is not in [0, {_ABOVE})")
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._unwatch()
             loop.add_reader(self._notified, self._collect)
             self._loop = loop
         number = next(self._numbers)
+        owned: dict[int, int] = {}
+        try:
+            for child, fd in fds.items():
+                owned[child] = os.dup(fd)  # close-on-exec
+        except BaseException:
+            for fd in owned.values():
+                os.close(fd)
+            raise
         done: asyncio.Future[int] = loop.create_future()
         self._waiting[number] = done
-        self._jobs.put(_Job(number, tuple(argv), dict(fds)))
+        self._owned[number] = list(owned.values())
+        self._jobs.put(_Job(number, tuple(argv), owned))
         try:
             while not done.done():
                 await asyncio.wait({done}, timeout=1.0)
                 self._collect()
-            return done.result()
-        finally:
-            self._waiting.pop(number, None)
+        except BaseException:  # cancelled: what the job starts is nobody's
+            if done.done() and not done.cancelled() and done.exception() is None:
+                _kill_and_reap(loop, done.result())
+            done.cancel()  # _collect kills and reaps it when it comes
+            raise
+        return done.result()
 
     def close(self) -> None:
         """End the thread: what it started and still runs is killed (--die-with-parent)."""
-        if not self._thread.is_alive():
+        if self._closed:
             return
+        self._closed = True
         self._jobs.put(None)
         self._thread.join(timeout=5)
+        self._collect()
+        for done in self._waiting.values():
+            if not done.done():
+                done.set_exception(OSError("the spawner is closed"))
+        self._waiting.clear()
+        if self._thread.is_alive():  # still in a spawn: it may yet use the pipe
+            log.error("spawner.close: the thread did not end within 5 s")
+            return
         self._unwatch()
+        for fds in self._owned.values():
+            for fd in fds:
+                os.close(fd)
+        self._owned.clear()
         os.close(self._notified)
         os.close(self._notify)
+        self._notified = self._notify = -1
 
     def _unwatch(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -125,7 +163,10 @@ class Spawner:
         self._loop = None
 
     def _collect(self) -> None:
-        """On the loop: the results the thread has sent."""
+        """On the loop: the results the thread has sent. A job's copies are closed; the child
+        of a job whose caller is gone is killed and reaped."""
+        if self._notify < 0:
+            return
         with contextlib.suppress(BlockingIOError):
             while os.read(self._notified, 4096):
                 pass
@@ -134,8 +175,12 @@ class Spawner:
                 number, result = self._results.get_nowait()
             except queue.Empty:
                 return
-            done = self._waiting.get(number)
-            if done is None or done.done():
+            for fd in self._owned.pop(number, ()):
+                os.close(fd)
+            done = self._waiting.pop(number, None)
+            if done is None or done.done():  # cancelled, or the loop gone: nobody holds it
+                if isinstance(result, int):
+                    _kill_and_reap(self._loop, result)
                 continue
             if isinstance(result, BaseException):
                 done.set_exception(result)
@@ -144,6 +189,7 @@ class Spawner:
 
     def _run(self, ready: Future[None]) -> None:
         try:
+            signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
             if _libc.unshare(ctypes.c_int(_CLONE_FILES | _CLONE_FS)) != 0:
                 code = ctypes.get_errno()
                 raise OSError(code, f"unshare: {os.strerror(code)}")
@@ -157,24 +203,40 @@ class Spawner:
             job = self._jobs.get()
             if job is None:
                 return
-            result: int | BaseException
+            collecting = gc.isenabled()
+            gc.disable()
             try:
-                leader = os.pidfd_open(os.getpid())  # the worker's table is its leader's
-            except OSError as exc:
-                self._results.put((job.number, exc))
-                continue  # the loop finds it within a second
+                self._results.put((job.number, self._attempt(job)))
+                self._tell()
+            except BaseException:  # nothing may end this thread but close
+                continue
+            finally:
+                if collecting:
+                    gc.enable()
+
+    def _attempt(self, job: _Job) -> int | BaseException:
+        try:
+            leader = os.pidfd_open(os.getpid())  # the worker's table is its leader's
+        except OSError as exc:
+            return exc
+        try:
+            return self._spawn(leader, job)
+        except BaseException as exc:  # the job's failure, never the thread's
+            return exc
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(leader)
+
+    def _tell(self) -> None:
+        """Wake the loop (the result is queued already; a full pipe means it is awake)."""
+        with contextlib.suppress(OSError):
+            leader = os.pidfd_open(os.getpid())
             try:
+                notify = _copy_of(leader, self._notify)
                 try:
-                    result = self._spawn(leader, job)
-                except BaseException as exc:  # the job's failure, never the thread's
-                    result = exc
-                self._results.put((job.number, result))
-                with contextlib.suppress(OSError):  # full: the loop is already told
-                    notify = _copy_of(leader, self._notify)
-                    try:
-                        os.write(notify, b"\0")
-                    finally:
-                        os.close(notify)
+                    os.write(notify, b"\0")
+                finally:
+                    os.close(notify)
             finally:
                 os.close(leader)
 
@@ -185,8 +247,6 @@ class Spawner:
         local: dict[int, int] = {}
         try:
             for number, fd in job.fds.items():
-                if number >= _ABOVE:
-                    raise ValueError(f"child descriptor {number} is not below {_ABOVE}")
                 got = _copy_of(leader, fd)
                 try:
                     local[number] = fcntl.fcntl(got, fcntl.F_DUPFD_CLOEXEC, _ABOVE)
@@ -204,7 +264,8 @@ class Spawner:
             )
         finally:
             for fd in local.values():
-                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 class SpawnedProcess:
@@ -291,35 +352,53 @@ async def start(
     loop = asyncio.get_running_loop()
     child_in, to_child = os.pipe2(os.O_CLOEXEC)
     from_child, child_out = os.pipe2(os.O_CLOEXEC)
-    spawning = asyncio.ensure_future(
-        spawner.spawn(argv, {0: child_in, 1: child_out, 2: stderr, **pass_fds})
-    )
-    try:
-        pid = await asyncio.shield(spawning)
-    except BaseException as exc:
+    try:  # the job copies the descriptors before its first wait: ours may close at once
+        pid = await spawner.spawn(argv, {0: child_in, 1: child_out, 2: stderr, **pass_fds})
+    except BaseException:
         os.close(to_child)
         os.close(from_child)
-        if isinstance(exc, asyncio.CancelledError):  # it may be started all the same
-            started = await asyncio.gather(spawning, return_exceptions=True)
-            if isinstance(started[0], int):
-                _kill_and_reap(loop, started[0])
         raise
-    finally:  # the child has its own copies
+    finally:
         os.close(child_in)
         os.close(child_out)
-    reader = asyncio.StreamReader(limit=limit, loop=loop)
-    read_protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
-    await loop.connect_read_pipe(lambda: read_protocol, os.fdopen(from_child, "rb", 0))
-    write_transport, write_protocol = await loop.connect_write_pipe(
-        asyncio.streams.FlowControlMixin, os.fdopen(to_child, "wb", 0)
-    )
-    writer = asyncio.StreamWriter(write_transport, write_protocol, None, loop)
-    return SpawnedProcess(pid, writer, reader)
+    read_file = os.fdopen(from_child, "rb", 0)
+    write_file = os.fdopen(to_child, "wb", 0)
+    transports: list[asyncio.BaseTransport] = []
+    try:
+        reader = asyncio.StreamReader(limit=limit, loop=loop)
+        read_protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+        read_transport, _ = await loop.connect_read_pipe(lambda: read_protocol, read_file)
+        transports.append(read_transport)
+        write_transport, write_protocol = await loop.connect_write_pipe(
+            asyncio.streams.FlowControlMixin, write_file
+        )
+        transports.append(write_transport)
+        writer = asyncio.StreamWriter(write_transport, write_protocol, None, loop)
+        return SpawnedProcess(pid, writer, reader)
+    except BaseException:  # cancelled or failed once started: nobody will hold the child
+        for transport in transports:
+            transport.close()  # and its pipe
+        for pipe in (read_file, write_file)[len(transports) :]:
+            pipe.close()
+        _kill_and_reap(loop, pid)
+        raise
 
 
-def _kill_and_reap(loop: asyncio.AbstractEventLoop, pid: int) -> None:
-    """A child nobody will hold (its start was cancelled): killed now, reaped once gone."""
-    pidfd = os.pidfd_open(pid)
+def _kill_and_reap(loop: asyncio.AbstractEventLoop | None, pid: int) -> None:
+    """A child nobody will hold (its start was cancelled): killed now, reaped once gone
+    (at once, blocking briefly, where no loop runs any more)."""
+    if loop is None or loop.is_closed():
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        _reap_blocking(pid)
+        return
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:  # no descriptor to spare: by pid, still ours to reap (no reuse before)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        loop.run_in_executor(None, _reap_blocking, pid)
+        return
     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
 
     def reap() -> None:
@@ -333,3 +412,8 @@ def _kill_and_reap(loop: asyncio.AbstractEventLoop, pid: int) -> None:
 def _copy_of(leader: int, fd: int) -> int:
     """A close-on-exec copy, in the calling thread's table, of the worker's descriptor `fd`."""
     return syscalls.call(_SYS_PIDFD_GETFD, ctypes.c_int(leader), ctypes.c_int(fd), ctypes.c_uint(0))
+
+
+def _reap_blocking(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)

@@ -162,6 +162,11 @@ WORKER_OBJECT_STATE: Mapping[str, StateRow] = MappingProxyType(
             "one per sandbox start in progress",
             "per-process by nature: the thread starts this worker's sandboxes",
         ),
+        "Spawner._owned": StateRow(
+            "a start's own copies of the descriptors its child gets, until its result is in",
+            "five per sandbox start in progress",
+            "per-process by nature: descriptors of this worker",
+        ),
         "SpawnedProcess._exited": StateRow(
             "the exit code of a sandbox's first process, once its pidfd says it exited",
             "one per running sandbox",
