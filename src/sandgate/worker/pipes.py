@@ -22,7 +22,9 @@ def widen_pipes(process: ChildProcess) -> None:
         transport = getattr(stream, "transport", None) or getattr(stream, "_transport", None)
         pipe = transport.get_extra_info("pipe") if transport is not None else None
         if pipe is not None:
-            with contextlib.suppress(OSError):
+            # OSError: the size refused; ValueError: the pipe already closed (the child
+            # exited at once, and its end is gone): the default works, or nothing is left
+            with contextlib.suppress(OSError, ValueError):
                 fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         if stream is process.stdout and transport is not None and hasattr(transport, "max_size"):
             transport.max_size = PIPE_BYTES  # _UnixReadPipeTransport's bytes per os.read
