@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,31 @@ def unescape_mountinfo(path: str) -> str:
             out.append(path[i])
             i += 1
     return "".join(out)
+
+
+@dataclass(frozen=True)
+class MountEntry:
+    """One line of /proc/<pid>/mountinfo, the fields sandgate reads."""
+
+    root: str  # the directory of the file system mounted here
+    mount_point: Path
+    fstype: str
+    super_options: tuple[str, ...]
+
+
+def mount_entries(mountinfo: str) -> Iterator[MountEntry]:
+    """The well-formed lines of a mountinfo text (proc(5)), in order."""
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, rfields = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(rfields) < 3:
+            continue
+        yield MountEntry(
+            unescape_mountinfo(fields[3]),
+            Path(unescape_mountinfo(fields[4])),
+            rfields[0],
+            tuple(rfields[2].split(",")),
+        )
 
 
 def _below(mount_point: Path, mount_root: str, own: str) -> Path:
@@ -95,24 +121,16 @@ class CgroupHost:
         v1: dict[str, Path] = {}
         unified: Path | None = None
         try:
-            mountinfo = _read(Path("/proc/self/mountinfo")).splitlines()
+            mountinfo = _read(Path("/proc/self/mountinfo"))
         except OSError:
-            mountinfo = []
-        for line in mountinfo:
-            left, sep, right = line.partition(" - ")
-            if not sep:
-                continue
-            fields, rfields = left.split(), right.split()
-            if len(fields) < 5 or len(rfields) < 3:
-                continue
-            root, mount_point = unescape_mountinfo(fields[3]), Path(unescape_mountinfo(fields[4]))
-            fstype, super_opts = rfields[0], rfields[2].split(",")
-            if fstype == "cgroup":
+            mountinfo = ""
+        for entry in mount_entries(mountinfo):
+            if entry.fstype == "cgroup":
                 for ctrl in LIMIT_CONTROLLERS:
-                    if ctrl in super_opts and ctrl not in v1:
-                        v1[ctrl] = _below(mount_point, root, own.get(ctrl, "/"))
-            elif fstype == "cgroup2" and unified is None:
-                unified = _below(mount_point, root, own.get("", "/"))
+                    if ctrl in entry.super_options and ctrl not in v1:
+                        v1[ctrl] = _below(entry.mount_point, entry.root, own.get(ctrl, "/"))
+            elif entry.fstype == "cgroup2" and unified is None:
+                unified = _below(entry.mount_point, entry.root, own.get("", "/"))
         v2_controllers: set[str] = set()
         if unified is not None:
             try:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Final
 
 from sandgate.worker import syscalls
-from sandgate.worker.cgroups import unescape_mountinfo
+from sandgate.worker.cgroups import mount_entries
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +52,10 @@ class Cgroup2Mount:
 
 def find_cgroup2(mountinfo: str) -> Cgroup2Mount | None:
     """The first cgroup2 mount in a /proc/<pid>/mountinfo text, or None."""
-    for line in mountinfo.splitlines():
-        left, sep, right = line.partition(" - ")
-        fields, rfields = left.split(), right.split()
-        if not sep or len(fields) < 5 or len(rfields) < 3 or rfields[0] != "cgroup2":
-            continue
-        options = tuple(o for o in rfields[2].split(",") if o and o not in _GENERIC)
-        return Cgroup2Mount(Path(unescape_mountinfo(fields[4])), options)
+    for entry in mount_entries(mountinfo):
+        if entry.fstype == "cgroup2":
+            options = tuple(o for o in entry.super_options if o and o not in _GENERIC)
+            return Cgroup2Mount(entry.mount_point, options)
     return None
 
 
