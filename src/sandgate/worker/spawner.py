@@ -33,7 +33,7 @@ import os
 import queue
 import signal
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Final
@@ -78,7 +78,7 @@ class Spawner:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[tuple[int, int | BaseException]] = queue.SimpleQueue()
         self._waiting: dict[int, asyncio.Future[int]] = {}
-        self._owned: dict[int, list[int]] = {}  # job -> its copies, until collected
+        self._owned: dict[int, Mapping[int, int]] = {}  # job -> its copies, until collected
         self._numbers = itertools.count()
         self._closed = False
         self._notified, self._notify = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -120,7 +120,7 @@ class Spawner:
             raise
         done: asyncio.Future[int] = loop.create_future()
         self._waiting[number] = done
-        self._owned[number] = list(owned.values())
+        self._owned[number] = owned
         self._jobs.put(_Job(number, tuple(argv), owned))
         try:
             while not done.done():
@@ -150,7 +150,7 @@ class Spawner:
             return
         self._unwatch()
         for fds in self._owned.values():
-            for fd in fds:
+            for fd in fds.values():
                 os.close(fd)
         self._owned.clear()
         os.close(self._notified)
@@ -175,7 +175,7 @@ class Spawner:
                 number, result = self._results.get_nowait()
             except queue.Empty:
                 return
-            for fd in self._owned.pop(number, ()):
+            for fd in self._owned.pop(number, {}).values():
                 os.close(fd)
             done = self._waiting.pop(number, None)
             if done is None or done.done():  # cancelled, or the loop gone: nobody holds it
@@ -206,38 +206,36 @@ class Spawner:
             collecting = gc.isenabled()
             gc.disable()
             try:
-                self._results.put((job.number, self._attempt(job)))
-                self._tell()
+                self._serve(job)
             except BaseException:  # nothing may end this thread but close
                 continue
             finally:
                 if collecting:
                     gc.enable()
 
-    def _attempt(self, job: _Job) -> int | BaseException:
+    def _serve(self, job: _Job) -> None:
+        """On the thread: the job's result queued, then the loop woken (a full pipe means it
+        is awake; without the wake-up the loop finds the result within a second)."""
         try:
             leader = os.pidfd_open(os.getpid())  # the worker's table is its leader's
         except OSError as exc:
-            return exc
+            self._results.put((job.number, exc))
+            return
         try:
-            return self._spawn(leader, job)
-        except BaseException as exc:  # the job's failure, never the thread's
-            return exc
-        finally:
-            with contextlib.suppress(OSError):
-                os.close(leader)
-
-    def _tell(self) -> None:
-        """Wake the loop (the result is queued already; a full pipe means it is awake)."""
-        with contextlib.suppress(OSError):
-            leader = os.pidfd_open(os.getpid())
+            result: int | BaseException
             try:
+                result = self._spawn(leader, job)
+            except BaseException as exc:  # the job's failure, never the thread's
+                result = exc
+            self._results.put((job.number, result))
+            with contextlib.suppress(OSError):
                 notify = _copy_of(leader, self._notify)
                 try:
                     os.write(notify, b"\0")
                 finally:
                     os.close(notify)
-            finally:
+        finally:
+            with contextlib.suppress(OSError):
                 os.close(leader)
 
     @staticmethod
@@ -277,36 +275,20 @@ class SpawnedProcess:
         pid: int,
         stdin: asyncio.StreamWriter,
         stdout: asyncio.StreamReader,
+        transports: Sequence[asyncio.BaseTransport],
     ) -> None:
         self.pid = pid
         self.stdin: asyncio.StreamWriter | None = stdin
         self.stdout: asyncio.StreamReader | None = stdout
-        self._returncode: int | None = None
-        self._loop = asyncio.get_running_loop()
-        self._exited: asyncio.Future[int] = self._loop.create_future()
+        self._transports = tuple(transports)
+        loop = asyncio.get_running_loop()
+        self._exited: asyncio.Future[int] = loop.create_future()
         self._pidfd = os.pidfd_open(pid)
-        self._loop.add_reader(self._pidfd, self._reap)
-
-    def _reap(self) -> None:
-        try:
-            found = os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOHANG)
-        except ChildProcessError:  # reaped elsewhere: its code is lost
-            found = None
-            code = 255
-        else:
-            if found is None:
-                return  # not yet (a spurious wake-up)
-            code = -found.si_status if found.si_code != os.CLD_EXITED else found.si_status
-        self._loop.remove_reader(self._pidfd)
-        os.close(self._pidfd)
-        self._pidfd = -1
-        self._returncode = code
-        if not self._exited.done():
-            self._exited.set_result(code)
+        _watch_exit(loop, self._pidfd, self._exited.set_result)
 
     @property
     def returncode(self) -> int | None:
-        return self._returncode
+        return self._exited.result() if self._exited.done() else None
 
     async def wait(self) -> int:
         return await asyncio.shield(self._exited)
@@ -325,16 +307,14 @@ class SpawnedProcess:
 
     def close_pipes(self) -> None:
         """Close both pipes, as the worker's end does: the agent reads its stdin's end."""
-        for stream in (self.stdin, self.stdout):
-            transport = getattr(stream, "transport", None) or getattr(stream, "_transport", None)
-            if transport is not None:
-                transport.close()
+        for transport in self._transports:
+            transport.close()
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
     def send_signal(self, signum: int) -> None:
-        if self._returncode is not None or self._pidfd < 0:
+        if self._exited.done():  # its pidfd is closed: the pid may be another's by now
             raise ProcessLookupError(self.pid)
         signal.pidfd_send_signal(self._pidfd, signum)
 
@@ -374,7 +354,7 @@ async def start(
         )
         transports.append(write_transport)
         writer = asyncio.StreamWriter(write_transport, write_protocol, None, loop)
-        return SpawnedProcess(pid, writer, reader)
+        return SpawnedProcess(pid, writer, reader, transports)
     except BaseException:  # cancelled or failed once started: nobody will hold the child
         for transport in transports:
             transport.close()  # and its pipe
@@ -400,11 +380,25 @@ def _kill_and_reap(loop: asyncio.AbstractEventLoop | None, pid: int) -> None:
         loop.run_in_executor(None, _reap_blocking, pid)
         return
     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    _watch_exit(loop, pidfd, lambda _code: None)
+
+
+def _watch_exit(loop: asyncio.AbstractEventLoop, pidfd: int, then: Callable[[int], object]) -> None:
+    """Once the child of `pidfd` exits: reap it, close `pidfd`, call `then` with its code
+    (as `subprocess` gives it: minus the signal that killed it)."""
 
     def reap() -> None:
-        if os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG) is not None:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
+        try:
+            found = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere: its code is lost
+            code = 255
+        else:
+            if found is None:
+                return  # not yet (a spurious wake-up)
+            code = -found.si_status if found.si_code != os.CLD_EXITED else found.si_status
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        then(code)
 
     loop.add_reader(pidfd, reap)
 

@@ -50,6 +50,30 @@ def reaped(pid: int) -> bool:
     return False
 
 
+def hold_spawns(one: Spawner) -> tuple[threading.Event, list[int]]:
+    """Make the thread wait inside each spawn until the event is set: (the event, the pids
+    it started once let go)."""
+    gate, started = threading.Event(), []
+    real = one._spawn
+
+    def held(leader: int, job: object) -> int:
+        gate.wait(5)
+        started.append(real(leader, job))  # type: ignore[arg-type]
+        return started[-1]
+
+    one._spawn = held  # type: ignore[method-assign]
+    return gate, started
+
+
+async def until_reaped(started: list[int]) -> None:
+    """Wait until the one process `started` holds exists and is gone and reaped."""
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if started and reaped(started[0]):
+            return
+    raise AssertionError(f"the process of a cancelled start ({started}) is still there")
+
+
 def thread_fds(one: Spawner) -> list[str]:
     tid = one._thread.native_id
     return sorted(os.listdir(f"/proc/self/task/{tid}/fd"), key=int)
@@ -121,32 +145,19 @@ def test_exit_codes_kill_and_a_second_kill(made: Spawner) -> None:
 
 
 def test_a_cancelled_start_leaves_no_process(made: Spawner, tmp_path: Path) -> None:
-    started: list[int] = []
+    gate, started = hold_spawns(made)
 
     async def main() -> None:
-        gate = threading.Event()
-        real = made._spawn
-
-        def slow(leader: int, job: object) -> int:  # the thread is inside the spawn
-            gate.wait(5)
-            started.append(real(leader, job))  # type: ignore[arg-type]
-            return started[-1]
-
-        made._spawn = slow  # type: ignore[method-assign]
         starting = asyncio.ensure_future(
             spawner.start(made, ["/bin/sleep", "30"], stderr=2, pass_fds={}, limit=1)
         )
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # the thread is inside the spawn
         starting.cancel()
         await asyncio.sleep(0)
         gate.set()
         with pytest.raises(asyncio.CancelledError):
             await starting
-        for _ in range(100):  # it is started all the same, then killed and reaped
-            await asyncio.sleep(0.05)
-            if started and reaped(started[0]):
-                return
-        raise AssertionError(f"the process of a cancelled start ({started}) is still there")
+        await until_reaped(started)  # it is started all the same, then killed and reaped
 
     asyncio.run(main())
 
@@ -178,18 +189,9 @@ def test_what_it_started_dies_with_its_thread() -> None:
 def test_a_start_cancelled_twice_leaves_no_process_and_no_descriptor(made: Spawner) -> None:
     """Each cancel while the thread is inside the spawn; the caller's descriptors are closed
     at once (the job has its own copies), the child is killed and reaped once it exists."""
-    started: list[int] = []
+    gate, started = hold_spawns(made)
 
     async def main() -> None:
-        gate = threading.Event()
-        real = made._spawn
-
-        def slow(leader: int, job: object) -> int:
-            gate.wait(5)
-            started.append(real(leader, job))  # type: ignore[arg-type]
-            return started[-1]
-
-        made._spawn = slow  # type: ignore[method-assign]
         before = len(os.listdir("/proc/self/fd"))
         starting = asyncio.ensure_future(
             spawner.start(made, ["/bin/sleep", "30"], stderr=2, pass_fds={}, limit=1)
@@ -201,12 +203,7 @@ def test_a_start_cancelled_twice_leaves_no_process_and_no_descriptor(made: Spawn
         with pytest.raises(asyncio.CancelledError):
             await starting
         gate.set()
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            if started and reaped(started[0]):
-                break
-        else:
-            raise AssertionError(f"the process of a cancelled start ({started}) is still there")
+        await until_reaped(started)
         assert len(os.listdir("/proc/self/fd")) == before  # the job's copies are closed too
 
     asyncio.run(main())
