@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import subprocess
 
-    from sandgate.agent import paths, pump
+    from sandgate.agent import entries, paths, pump
     from sandgate.agent.request import AgentError, Header, str_field
     from sandgate.agent.state import AgentState
 else:
+    import entries
     import paths
     import pump
     from request import AgentError, str_field
@@ -138,9 +139,7 @@ def op_exec(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]
 
 def _feed(fd: int, data: bytes) -> None:
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        entries.write_all(fd, data)
     except OSError:
         pass  # the interpreter stopped reading (it exited or was killed)
     finally:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from sandgate.agent import entries
 from sandgate.core.layer_rules import max_unpacked
 from sandgate.errors import WorkerError
 from sandgate.worker import layers
@@ -109,7 +110,7 @@ class LayerCache:
                 size += len(chunk)
                 if size > layer.size:
                     break
-                await asyncio.to_thread(_write_all, fd, chunk)
+                await asyncio.to_thread(entries.write_all, fd, chunk)
         finally:
             os.close(fd)
         got = "sha256:" + digest.hexdigest()
@@ -118,12 +119,6 @@ class LayerCache:
                 f"layer {layer.digest} arrived as {size} bytes with digest {got} "
                 f"(want {layer.size} bytes): not used"
             )
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _unpack_blob(blob: Path, dest: Path, media: str) -> layers.UnpackStats:

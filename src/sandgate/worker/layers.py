@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from sandgate.agent import entries
 from sandgate.core.layer_rules import LayerRuleError as LayerError  # re-exported
 from sandgate.core.layer_rules import Tally, member_parts
 from sandgate.errors import InvalidRequestError
@@ -134,9 +135,7 @@ def _unpack_member(
             )
             try:
                 while chunk := source.read(_COPY_CHUNK):
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(fd, view) :]
+                    entries.write_all(fd, chunk)
                 os.fchmod(fd, mode)
                 os.utime(fd, (member.mtime, member.mtime))
             finally:
