@@ -28,9 +28,9 @@ sandbox.
 
 Process chain: worker's spawner thread (`spawner.py`: a descriptor table of its own, so a
 start copies none of the sandboxes' descriptors) -> nsenter (joins the network namespace)
--exec-> unshare (a mount
-namespace of its own) -exec-> sh (`root_step.py`: joins the cgroups, sets the descriptor
-limit, moves the detached disk in, see `disk.py`) -exec-> setpriv -exec-> bwrap
+-exec-> unshare (a mount namespace of its own) -exec-> sh (`root_step.py`: joins the
+cgroups, sets the descriptor limit, moves the detached disk in, see `disk.py`) -exec->
+setpriv -exec-> bwrap
 (outer, the `process` returned) -> bwrap's pid-1 reaper -> the agent (or a probe ``argv``).
 
 The chain starts in ``/`` with an empty environment: bwrap's pid 1 keeps the environment and
@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from sandgate.agent import MODULES as AGENT_MODULES
-from sandgate.agent import deployed_name
+from sandgate.agent import deployed_name, entries
 from sandgate.core.egress_policy import NetworkPolicy
 from sandgate.errors import InvalidRequestError, NetworkUnavailableError, WorkerError
 from sandgate.worker import (
@@ -905,9 +905,7 @@ class _BoundWorkspaces:
 def _memfd_with(data: bytes) -> int:
     fd = os.memfd_create("sandgate-bwrap-args", os.MFD_CLOEXEC)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        entries.write_all(fd, data)
         os.lseek(fd, 0, os.SEEK_SET)
     except BaseException:
         os.close(fd)
