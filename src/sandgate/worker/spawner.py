@@ -71,7 +71,10 @@ class Spawner:
     job to `_collect`, which kills and reaps what it started. The thread blocks every signal
     (Python's handler would write the loop's wake-up byte into the thread's own table), runs
     each job with the garbage collector off (a finaliser would close a number in the
-    thread's table, not the one its object held) and keeps no descriptor between jobs."""
+    thread's table, not the one its object held) and keeps no descriptor between jobs.
+
+    Its job and result queues, like `_waiting` and `_owned`, hold one entry per start in
+    progress at most (the worker's starts are bounded by its capacity)."""
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
