@@ -8,10 +8,12 @@ library on sys.path: every module must be listed, and none may shadow a standard
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
 from sandgate.agent import MODULES, PROGRAMS, deployed_name
+from sandgate.worker.main import SANDBOX_PYTHON, install_agent
 
 AGENT_DIR = Path(__file__).resolve().parents[2] / "src" / "sandgate" / "agent"
 
@@ -59,3 +61,22 @@ def test_the_agent_imports_only_the_standard_library_and_itself() -> None:
     }
     # siblings are imported by their deployed names, never as the sandgate package
     assert {m: names for m, names in foreign.items() if names} == {}
+
+
+def test_the_agents_start_leaves_typing_out(tmp_path: Path) -> None:
+    """Every sandbox start runs the agent on a fresh interpreter, and importing `typing`
+    cost it ~6 ms of its ~28 (docs/benchmarks.md, "Session 17"): the modules it imports
+    before its ready event use `TYPE_CHECKING = False` and keep typing's names for the type
+    checker. Run as a sandbox runs it (`-I -S`, deployed flat), on the system Python."""
+    install_agent(tmp_path)
+    probe = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import sandgate_agent; "
+        "print(' '.join(sorted(sys.modules)))"
+    )
+    python = SANDBOX_PYTHON if SANDBOX_PYTHON.exists() else Path(sys.executable)
+    ran = subprocess.run(
+        [str(python), "-I", "-S", "-c", probe], capture_output=True, text=True, check=True
+    )
+    loaded = set(ran.stdout.split())
+    assert {"sandgate_agent", "frames", "execute", "files"} <= loaded  # it did import them
+    assert "typing" not in loaded

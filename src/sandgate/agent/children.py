@@ -12,27 +12,28 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Protocol
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
+    from typing import Protocol
 
     from sandgate.agent.output import Output
     from sandgate.agent.request import Header
+
+    class Child(Protocol):
+        """What the pump needs of a child: subprocess.Popen or a forked terminal (Forked)."""
+
+        pid: int
+        returncode: int | None
+
+        def poll(self) -> int | None: ...
 else:
     from output import Output
 
 TIMEOUT_EXIT_CODE = 124
 SPAWN_TIMEOUT = 10.0  # seconds a forked terminal child may take to exec
-
-
-class Child(Protocol):
-    """What the pump needs of a child: subprocess.Popen or a forked terminal (Forked)."""
-
-    pid: int
-    returncode: int | None
-
-    def poll(self) -> int | None: ...
 
 
 class Forked:

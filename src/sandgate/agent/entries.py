@@ -15,7 +15,11 @@ import re
 import stat
 import time
 from types import MappingProxyType
-from typing import Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
+
+if TYPE_CHECKING:
+    from typing import Any
 
 MAX_READ_LENGTH = 4 << 20  # bytes one read (or an open's `first`) may ask for
 

@@ -14,7 +14,8 @@ import stat
 import threading
 import time
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
     import subprocess

@@ -13,7 +13,8 @@ import os
 import posixpath
 import stat
 import time
-from typing import TYPE_CHECKING
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
     from sandgate.agent import entries, paths

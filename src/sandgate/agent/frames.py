@@ -17,13 +17,19 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any, BinaryIO
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 PREFIX = struct.Struct(">II")
 MAX_HEADER_BYTES = 1 << 20
 MAX_PAYLOAD_BYTES = 8 << 20
 
-Header = dict[str, Any]
+if TYPE_CHECKING:
+    from typing import Any, BinaryIO
+
+    Header = dict[str, Any]
+else:
+    Header = dict
 
 
 class FrameError(ValueError):

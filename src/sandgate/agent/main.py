@@ -30,7 +30,8 @@ import signal
 import sys
 from functools import partial
 from types import MappingProxyType
-from typing import TYPE_CHECKING, cast
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -81,14 +82,11 @@ def _registry(st: AgentState) -> procs.Registry:
             raise AgentError("io_error", "the agent is shutting down")
         if st.registry is None:
             module = __import__("procs")  # procs.py, next to this file
-            st.registry = cast(
-                "procs.Registry",
-                module.Registry(
-                    env=partial(execute.exec_env, st),
-                    cwd=partial(execute.exec_cwd, st),
-                    which=partial(execute.which, st),
-                    python=st.python,
-                ),
+            st.registry = module.Registry(
+                env=partial(execute.exec_env, st),
+                cwd=partial(execute.exec_cwd, st),
+                which=partial(execute.which, st),
+                python=st.python,
             )
         return st.registry
 
@@ -110,7 +108,7 @@ def _watches(st: AgentState) -> watch.Watches:
             raise AgentError("io_error", "the agent is shutting down")
         if st.watches is None:
             module = __import__("watch")  # watch.py, next to this file
-            st.watches = cast("watch.Watches", module.Watches(st.roots))
+            st.watches = module.Watches(st.roots)
         return st.watches
 
 
@@ -133,7 +131,7 @@ def _ports(st: AgentState) -> ports.Ports:
         if st.ports is None:
             module = __import__("ports")  # ports.py, next to this file
             answer, fail = partial(_answer, st), partial(_fail, st)
-            st.ports = cast("ports.Ports", module.Ports(answer, fail))
+            st.ports = module.Ports(answer, fail)
         return st.ports
 
 

@@ -10,7 +10,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
+
+if TYPE_CHECKING:
+    from typing import Any
 
 PROCESS_BUFFER_BYTES = 1 << 20  # output kept per process
 MAX_ANSWER_BYTES = 1 << 20  # output sent in one proc_read/pty_read answer

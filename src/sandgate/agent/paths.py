@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import posixpath
-from typing import TYPE_CHECKING, Any, NamedTuple
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from sandgate.agent.entries import ERRNO_CODES, entry, sandbox_path
     from sandgate.agent.request import AgentError, Header
 else:
@@ -22,13 +25,19 @@ Roots = tuple[tuple[str, str], ...]
 SANDBOX_ROOTS = ("/workspace", "/tmp")
 
 
-class Target(NamedTuple):
+class Target:
     """A checked path: its sandbox view and where it really is."""
 
-    spath: str  # normalised, as the sandbox sees it (/workspace/...)
-    real: str  # the path to use with the OS
-    root: str  # real directory of the root it is under
-    is_root: bool
+    __slots__ = ("is_root", "real", "root", "spath")
+
+    def __init__(self, spath: str, real: str, root: str, is_root: bool) -> None:
+        self.spath = spath  # normalised, as the sandbox sees it (/workspace/...)
+        self.real = real  # the path to use with the OS
+        self.root = root  # real directory of the root it is under
+        self.is_root = is_root
+
+    def __repr__(self) -> str:
+        return f"Target({self.spath!r}, real={self.real!r}, is_root={self.is_root})"
 
 
 def inside(path: str, root: str) -> bool:

@@ -36,10 +36,12 @@ import socket
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from typing import Any
 
     from sandgate.agent.log import log
     from sandgate.agent.request import AgentError, Header

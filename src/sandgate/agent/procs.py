@@ -39,10 +39,12 @@ import sys
 import threading
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from typing import Any
 
     from sandgate.agent import pump
     from sandgate.agent.children import (

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
-Header = dict[str, Any]
+if TYPE_CHECKING:
+    from typing import Any
+
+    Header = dict[str, Any]
+else:
+    Header = dict
 
 
 class AgentError(Exception):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
     from sandgate.agent import ports, procs, threads, watch

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
     from collections.abc import Callable

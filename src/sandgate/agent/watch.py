@@ -39,9 +39,12 @@ import struct
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from sandgate.agent import entries, paths
     from sandgate.agent.log import log
     from sandgate.agent.request import AgentError, Header, bool_field, str_field
