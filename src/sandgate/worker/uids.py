@@ -74,7 +74,8 @@ class UidPool:
                 return None
             raise
         lease = UidLease(uid, fd)
-        self._held = {u: le for u, le in self._held.items() if le.held}
+        # replaces a released lease of this uid, if any: one entry per uid ever leased (at
+        # most `count`), not rebuilt per lease (that cost a start ~0.4 ms at 1,000 held)
         self._held[uid] = lease
         return lease
 
