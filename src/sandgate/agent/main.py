@@ -17,10 +17,10 @@ Startup is on the sandbox-create latency path and one agent idles in every sandb
 cheap modules are imported here; subprocess, selectors, shutil, procs.py (with children.py
 and output.py), watch.py and ports.py are imported on first use and ctypes (malloc tuning)
 just after the ready event; no module of the agent imports `typing` when run (each names
-``TYPE_CHECKING = False`` itself: typing was ~6 ms of a ~28 ms start). Each request runs on a daemon thread of its own (threads.py
-keeps a few that served a request for the next ones), except that the operations on one
-handle run one after another in arrival order and port requests are served by the port
-loop; stderr is the agent's log.
+``TYPE_CHECKING = False`` itself: typing was ~6 ms of a ~28 ms start). Each request runs on
+a daemon thread of its own (threads.py keeps a few that served a request for the next
+ones), except that the operations on one handle run one after another in arrival order and
+port requests are served by the port loop; stderr is the agent's log.
 """
 
 from __future__ import annotations
