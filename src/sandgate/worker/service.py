@@ -230,14 +230,16 @@ class WorkerService:
             )
         budget = placement.budget_of(self.enforces)
         if budget:
-            held = [
-                *(live.running.spec for live in self.state.sandboxes.values()),
-                *(starting.spec for starting in self.state.provisioning.values()),
-                *(live.running.spec for live in self.state.tearing_down.values()),
-                *(live.running.spec for ready in self.state.pool.values() for live in ready),
-            ]
-            # (the budgeted names are the spec's fields: no dict per sandbox held, per create)
-            used = {name: int(sum(getattr(s, name) for s in held)) for name in placement.BUDGETED}
+            # what is running, starting and tearing down is kept summed (GrantTally): a start
+            # adds up the few pooled sandboxes only, not every sandbox held
+            used = self.state.sandboxes.granted
+            for tally in (self.state.provisioning, self.state.tearing_down):
+                for name, amount in tally.granted.items():
+                    used[name] += amount
+            for ready in self.state.pool.values():
+                for live in ready:
+                    for name in placement.BUDGETED:
+                        used[name] += int(getattr(live.running.spec, name))
             if (name := placement.short_of(need, used, budget)) is not None:
                 raise NoCapacityError(
                     f"worker has {budget[name] - used[name]} of its {budget[name]} {name} left "

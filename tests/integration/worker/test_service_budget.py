@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,48 @@ def test_the_budget_counts_what_runs_and_refuses_what_does_not_fit(runtime: Bwra
         assert not (runtime.sandboxes_dir / "b-3").exists()
         await service.destroy("b-2")
         await service.provision(SandboxSpec(name="b-5", memory_mb=256, disk_mb=64))
+
+    async def main() -> None:
+        await runtime.prepare()
+        await service.run(body)
+
+    asyncio.run(main())
+
+
+def test_a_sandbox_starting_or_being_torn_down_still_counts(runtime: BwrapRuntime) -> None:
+    """Each check runs before the provision's first wait: one sandbox caught while it starts,
+    then while it is torn down, holds its memory (the worker keeps the sums: GrantTally)."""
+    service = WorkerService(runtime, capacity=16, state=WorkerLocalState(), enforces=ENFORCES)
+    state = service.state
+
+    async def until(reached: Callable[[], bool]) -> None:
+        for _ in range(100_000):  # turns of the loop: the start and the teardown run in it
+            if reached():
+                return
+            await asyncio.sleep(0)
+        raise AssertionError("the sandbox never got there")
+
+    async def body() -> None:
+        starting = asyncio.ensure_future(service.provision(SandboxSpec(name="c-1", memory_mb=256)))
+        await until(lambda: "c-1" in state.provisioning)
+        with pytest.raises(NoCapacityError, match="344 of its 600"):
+            await service.provision(SandboxSpec(name="c-2", memory_mb=400))
+        await starting
+        stopping = asyncio.ensure_future(service.destroy("c-1"))
+        await until(lambda: "c-1" in state.tearing_down and "c-1" not in state.sandboxes)
+        with pytest.raises(NoCapacityError, match="344 of its 600"):
+            await service.provision(SandboxSpec(name="c-3", memory_mb=400))
+        await stopping
+        assert (
+            state.sandboxes.granted
+            == state.tearing_down.granted
+            == {
+                "memory_mb": 0,
+                "disk_mb": 0,
+            }
+        )
+        await service.provision(SandboxSpec(name="c-4", memory_mb=400))
+        assert state.sandboxes.granted["memory_mb"] == 400
 
     async def main() -> None:
         await runtime.prepare()
