@@ -49,6 +49,7 @@ from sandgate.errors import (
     ResourceCapError,
     SandboxTimeoutError,
     StorageFullError,
+    TunnelUnavailableError,
     WorkerError,
 )
 from sandgate.worker import cgroups, disk, export, metrics, pool
@@ -628,6 +629,11 @@ class WorkerService:
             reply, body = await live.link.channel.request(op, fields, payload, wait=timeout)
         except StorageFullError as exc:
             raise self._storage_full(live.running.spec, exc) from None
+        except TunnelUnavailableError:
+            if live.stopping:  # torn down meanwhile (a delete, its timeout): as if it came after
+                error = f"sandbox {live.name} is not running"
+                raise ConflictError(error, code="not_running") from None
+            raise
         reply.pop("id", None)
         reply.pop("ok", None)
         return reply, body

@@ -122,3 +122,33 @@ def test_a_provision_waits_for_the_teardown_holding_its_slot_or_its_name(
 
     asyncio.run(main())
     assert leftovers(runtime, [first, second]) == {}
+
+
+def test_a_call_in_flight_when_its_sandbox_goes_is_told_it_is_not_running(
+    runtime: BwrapRuntime,
+) -> None:
+    """A delete (or the sandbox's timeout) closes the agent's link under a call still waiting
+    for its answer: the call is answered as one that came just after, 409 `not_running`,
+    not as a broken tunnel (503, which tells the client to retry what cannot succeed)."""
+    from sandgate.errors import ConflictError
+
+    service = WorkerService(runtime, capacity=4, state=WorkerLocalState())
+    spec = SandboxSpec(name=f"inflight-{secrets.token_hex(3)}")
+
+    async def body() -> None:
+        await service.provision(spec)
+        call = {"op": "exec", "language": "sh", "code": "sleep 30", "timeout": 60, "env": {}}
+        waiting = asyncio.ensure_future(
+            service.handle({"op": "agent", "sandbox": spec.name, "call": call}, b"")
+        )
+        await asyncio.sleep(0.3)  # the command runs
+        await service.destroy(spec.name)
+        with pytest.raises(ConflictError) as told:
+            await waiting
+        assert told.value.code == "not_running"
+
+    async def main() -> None:
+        await runtime.prepare()
+        await service.run(body)
+
+    asyncio.run(main())
