@@ -21,6 +21,7 @@ MODULES = (
     "files",  # file operations and open handles
     "execute",  # exec
     "pump",  # the one output pump of exec and background processes
+    "orphans",  # the spawn guard; a pid 1's reaper of orphaned zombies
     "procs",  # background processes and terminals: the requests
     "children",  # background processes and terminals: one child, forking a terminal
     "output",  # background processes and terminals: the bounded output buffer

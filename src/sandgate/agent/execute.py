@@ -160,16 +160,18 @@ def _spawn(
         if st.closing:
             raise AgentError("io_error", "the agent is shutting down")
         _prune_groups(st)
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=cwd,
-            env=env,
-            start_new_session=True,
-            pass_fds=pass_fds,
-        )
+        with st.reaper.spawning():  # the reaper (orphans.py) never waits for ours
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+                pass_fds=pass_fds,
+            )
+            st.reaper.own(proc.pid)
         st.groups.add(proc.pid)
     return proc
 

@@ -88,6 +88,7 @@ def _registry(st: AgentState) -> procs.Registry:
                 cwd=partial(execute.exec_cwd, st),
                 which=partial(execute.which, st),
                 python=st.python,
+                reaper=st.reaper,
             )
         return st.registry
 
@@ -413,6 +414,7 @@ def main(argv: list[str]) -> int:
     ready = {"event": "ready", "pid": os.getpid(), "version": PROTOCOL_VERSION}
     _write_frame(st, frames.encode(ready))
     _tune_malloc(st)  # after the ready event (off the create latency path), before any request
+    st.reaper.start()  # as its sandbox's pid 1, orphans are the agent's to reap (orphans.py)
     stdin = sys.stdin.buffer
     while True:
         try:

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
         session_groups,
     )
     from sandgate.agent.log import log
+    from sandgate.agent.orphans import Reaper
     from sandgate.agent.request import AgentError, Header
 else:
     import pump
@@ -72,6 +73,7 @@ else:
         session_groups,
     )
     from log import log
+    from orphans import Reaper
     from request import AgentError
 
 MAX_PROCESSES = 256  # processes and terminals remembered per agent
@@ -96,10 +98,13 @@ class Registry:
         cwd: Callable[[Header], str],
         which: Callable[[str], str],
         python: tuple[str, ...] = (),
+        reaper: Reaper | None = None,
     ) -> None:
         """``env``/``cwd`` build a command's environment and real working directory from a
         request (as exec does); ``which`` finds an executable or raises ``AgentError``;
-        ``python`` runs the programs deployed beside the agent (default: its own Python)."""
+        ``python`` runs the programs deployed beside the agent (default: its own Python);
+        ``reaper`` is the agent's spawn guard (orphans.py; default: one of this registry's)."""
+        self._reaper = reaper if reaper is not None else Reaper(os.getpid())
         self._env = env
         self._cwd = cwd
         self._which = which
@@ -331,15 +336,17 @@ class Registry:
                     pipes.extend(os.pipe())
                 in_r, in_w, out_r, out_w, err_r, err_w = pipes
                 started = time.monotonic()
-                child = subprocess.Popen(
-                    argv,
-                    stdin=in_r,
-                    stdout=out_w,
-                    stderr=err_w,
-                    cwd=cwd,
-                    env=env,
-                    start_new_session=True,
-                )
+                with self._reaper.spawning():  # never waited for by the reaper (orphans.py)
+                    child = subprocess.Popen(
+                        argv,
+                        stdin=in_r,
+                        stdout=out_w,
+                        stderr=err_w,
+                        cwd=cwd,
+                        env=env,
+                        start_new_session=True,
+                    )
+                    self._reaper.own(child.pid)
             except BaseException:
                 for fd in pipes:
                     os.close(fd)
@@ -532,7 +539,9 @@ class Registry:
             master, slave = os.openpty()
             try:
                 fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-                pid = fork_terminal(slave, argv, env, cwd)
+                with self._reaper.spawning():  # never waited for by the reaper (orphans.py)
+                    pid = fork_terminal(slave, argv, env, cwd)
+                    self._reaper.own(pid)
             except BaseException:
                 os.close(master)
                 raise

@@ -15,9 +15,10 @@ import time
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
-    from sandgate.agent import ports, procs, threads, watch
+    from sandgate.agent import orphans, ports, procs, threads, watch
     from sandgate.agent.request import Header
 else:
+    import orphans
     import threads
 
 
@@ -37,6 +38,7 @@ class AgentState:
         "python",
         "queues",
         "queues_lock",
+        "reaper",
         "registry",
         "registry_lock",
         "roots",
@@ -59,6 +61,8 @@ class AgentState:
         self.python: tuple[str, ...] = ()  # runs programs beside the agent (): its own
         self.sandbox_env = sandbox_env  # the agent's own environment at start
         self.write_lock = threading.Lock()  # one response frame at a time on stdout
+        # the guard every spawn holds; as the sandbox's pid 1, the reaper of orphans
+        self.reaper = orphans.Reaper(os.getpid())
         # the threads requests run on: reused while requests come, at most 4 idle (main.py)
         self.threads = threads.Threads()
         # exec (execute.py): process groups started, possibly still alive; closing is set

@@ -195,13 +195,16 @@ def test_workers_report_enforced_features(alpha: httpx.Client) -> None:
 
 
 def test_tenant_code_cannot_reach_the_agent(alpha: httpx.Client, sandbox: str) -> None:
-    """The agent runs as the tenant's uid; it must still be out of reach of tenant code."""
+    """The agent runs as the tenant's uid; it must still be out of reach of tenant code. It is
+    the sandbox's pid 1 (bwrap --as-pid-1), which no signal from inside can stop either."""
     probe = run(
         alpha,
         sandbox,
-        "import os\n"
-        "agent = next(p for p in os.listdir('/proc') if p.isdigit() and p != '1' and\n"
-        "             b'agent' in open(f'/proc/{p}/cmdline', 'rb').read())\n"
+        "import os, signal\n"
+        "agent = '1'\n"
+        "print('AGENT', b'/opt/sandgate/agent.py' in open('/proc/1/cmdline', 'rb').read())\n"
+        "for sig in (signal.SIGKILL, signal.SIGSTOP):\n"
+        "    os.kill(1, sig)\n"
         "for what in ('mem', 'fd/1', 'environ'):\n"
         "    try:\n"
         "        open(f'/proc/{agent}/{what}', 'rb').close(); print('OPENED', what)\n"
@@ -213,6 +216,7 @@ def test_tenant_code_cannot_reach_the_agent(alpha: httpx.Client, sandbox: str) -
         "    print('denied fd-list', e.errno)\n",
         language="python",
     )
+    assert probe["stdout"].startswith("AGENT True\n"), probe
     assert probe["stdout"].count("denied") == 4, probe
     assert "FDS" not in probe["stdout"], probe
     assert run(alpha, sandbox, "echo still-fine")["stdout"] == "still-fine\n"

@@ -31,12 +31,14 @@ start copies none of the sandboxes' descriptors) -> nsenter (joins the network n
 -exec-> unshare (a mount namespace of its own) -exec-> sh (`root_step.py`: joins the
 cgroups, sets the descriptor limit, moves the detached disk in, see `disk.py`) -exec->
 setpriv -exec-> bwrap
-(outer, the `process` returned) -> bwrap's pid-1 reaper -> the agent (or a probe ``argv``).
+(outer, the `process` returned) -> the agent, as the sandbox's pid 1 (``--as-pid-1``: it
+reaps the orphans itself, agent/orphans.py); a probe ``argv`` runs under bwrap's own pid-1
+reaper instead.
 
-The chain starts in ``/`` with an empty environment: bwrap's pid 1 keeps the environment and
-cwd it was started with (``--clearenv`` and ``--chdir`` apply only to the command), and a
-sandbox reads it in ``/proc/1/environ``. None of the chain needs a variable (every program is
-an absolute path; bwrap looks the command up in the sandbox's ``PATH``).
+The chain starts in ``/`` with an empty environment: bwrap's pid-1 reaper keeps the
+environment and cwd it was started with (``--clearenv`` and ``--chdir`` apply only to the
+command), and a sandbox reads it in ``/proc/1/environ``. None of the chain needs a variable
+(every program is an absolute path; bwrap looks the command up in the sandbox's ``PATH``).
 """
 
 from __future__ import annotations
@@ -454,6 +456,7 @@ class BwrapRuntime:
             ]
             if missing:
                 raise WorkerError(f"the image's layers are not on this worker: {missing}")
+        agent = argv is None  # the agent reaps orphans as pid 1 (agent/orphans.py); not others
         if argv is None:
             if spec.image is None:  # its files API reaches the workspaces mounted elsewhere too
                 argv = [*agent_argv(), *workspace_roots(spec)]
@@ -551,7 +554,15 @@ class BwrapRuntime:
             )
             seccomp_fd = seccomp.open_filter(self.seccomp_path)
             args = self._bwrap_args(
-                spec, workspace, tmp, SECCOMP_CHILD_FD, root, points, inner_uid, binds=binds
+                spec,
+                workspace,
+                tmp,
+                SECCOMP_CHILD_FD,
+                root,
+                points,
+                inner_uid,
+                binds=binds,
+                as_pid_1=agent,
             )
             args_fd = _memfd_with(b"".join(a.encode() + b"\0" for a in args))
             cmd = self._command(
@@ -740,8 +751,13 @@ class BwrapRuntime:
         inner_uid: int = SANDBOX_UID,
         *,
         binds: list[tuple[str, Path]] | None = None,
+        as_pid_1: bool = False,
     ) -> list[str]:
         """bwrap's options (not the command: bwrap takes that from its real argv only).
+
+        `as_pid_1`: the command is the sandbox's pid 1, with no init of bwrap's beside it
+        (the agent, which reaps orphans itself: one process fewer per sandbox, and one task
+        fewer for every sandbox start's `pivot_root` to walk on the host).
 
         `root`: a template sandbox's overlay root (`rootfs.py`), writable, instead of the
         read-only tmpfs root with the host's /usr; `points`: where its mount points resolve
@@ -759,6 +775,7 @@ class BwrapRuntime:
             str(inner_uid),
             "--disable-userns",
             "--unshare-pid",
+            *(["--as-pid-1"] if as_pid_1 else []),
             "--unshare-ipc",
             "--unshare-uts",
             "--unshare-cgroup-try",

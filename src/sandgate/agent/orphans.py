@@ -1,0 +1,168 @@
+"""Orphans reaped by the agent when it is its sandbox's pid 1.
+
+The bwrap runtime starts the agent as pid 1 of the sandbox's pid namespace (``--as-pid-1``):
+no init of bwrap's runs beside it, one process fewer per sandbox, and one task fewer for the
+kernel to walk at every sandbox start (``pivot_root`` visits every task on the host:
+docs/benchmarks.md, "Session 17"). A process whose parent exits then becomes the agent's
+child, and once it exits it stays a zombie, holding one of the sandbox's pids, until the agent
+waits for it.
+
+The agent's own children are waited for by whoever started them (``subprocess.Popen``, a
+terminal's ``waitpid``), and a status taken from them would be lost (Popen reads a child it
+can no longer wait for as exit code 0). So the reaper takes only zombies it knows are not the
+agent's own: every spawn holds the `Reaper.spawning` guard (shared) from before its fork until
+its child is recorded (`own`), and the reaper scans and reaps under the guard held alone. A
+child is recorded with its start time, so a pid the kernel hands out again after its owner
+waited for it is not mistaken for the agent's.
+
+The reaper runs on a thread of its own, woken by SIGCHLD (``signal.set_wakeup_fd``; nothing
+runs while nothing exits) and then waits `SETTLE` seconds, so a burst of exits costs one
+scan of /proc (the sandbox's own: a handful of entries). Where the agent is not pid 1 (the
+process runtime, tests on the host) the guard is kept and nothing else runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
+
+if TYPE_CHECKING:
+    from types import FrameType, TracebackType
+
+    from sandgate.agent.log import log
+else:
+    from log import log
+
+SETTLE = 0.05  # seconds after a SIGCHLD before the scan: one scan for a burst of exits
+
+
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after the command's name (state first), or None when
+    the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return raw.rpartition(b")")[2].split()
+
+
+def start_time(pid: int) -> bytes | None:
+    """When the process started (clock ticks since boot, as /proc gives it), or None."""
+    fields = _stat_fields(pid)
+    return None if fields is None or len(fields) < 20 else fields[19]
+
+
+class Reaper:
+    """The spawn guard and, for a pid 1, the reaper of orphaned zombies (module docstring)."""
+
+    __slots__ = ("_cond", "_owned", "_pid", "_reaping", "_spawning")
+
+    def __init__(self, pid: int) -> None:
+        self._pid = pid  # whose orphans: the agent's own pid (1 in its sandbox)
+        self._cond = threading.Condition()
+        self._spawning = 0  # spawns between their guard's entry and exit
+        self._reaping = False  # a scan holds the guard alone (new spawns wait)
+        # the agent's own children: pid -> start time, recorded under the guard; a pid is
+        # forgotten by the first scan that no longer finds it in /proc
+        self._owned: dict[int, bytes | None] = {}
+
+    # ------------------------------------------------------------------ the guard
+
+    def spawning(self) -> Reaper:
+        """``with reaper.spawning(): child = Popen(...); reaper.own(child.pid)``"""
+        return self
+
+    def __enter__(self) -> Reaper:
+        with self._cond:
+            while self._reaping:
+                self._cond.wait()
+            self._spawning += 1
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        with self._cond:
+            self._spawning -= 1
+            if not self._spawning:
+                self._cond.notify_all()
+
+    def own(self, pid: int) -> None:
+        """Record a child the agent just started (inside `spawning`): never reaped here."""
+        self._owned[pid] = start_time(pid)
+
+    # ------------------------------------------------------------------ the reaper
+
+    def reap(self) -> int:
+        """Wait for every zombie child of ours that the agent did not start: how many."""
+        with self._cond:
+            self._reaping = True
+            while self._spawning:
+                self._cond.wait()
+        try:
+            return self._reap_alone()
+        finally:
+            with self._cond:
+                self._reaping = False
+                self._cond.notify_all()
+
+    def _reap_alone(self) -> int:
+        reaped, present = 0, set()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            pid = int(entry)
+            present.add(pid)
+            fields = _stat_fields(pid)
+            if fields is None or len(fields) < 20 or fields[0] != b"Z":
+                continue
+            if int(fields[1]) != self._pid or self._owned.get(pid, b"") == fields[19]:
+                continue  # someone else's child, or the agent's own: its owner waits for it
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                continue
+            reaped += bool(done)
+        for pid in [p for p in self._owned if p not in present]:
+            del self._owned[pid]
+        return reaped
+
+    def start(self) -> bool:
+        """Reap orphans from now on, if this process is pid 1 (from the main thread)."""
+        if self._pid != 1:
+            return False
+        woken, wake = os.pipe()
+        os.set_blocking(wake, False)
+        os.set_blocking(woken, True)
+        signal.signal(signal.SIGCHLD, _on_child)
+        signal.set_wakeup_fd(wake, warn_on_full_buffer=False)
+        threading.Thread(target=self._run, args=(woken,), name="reaper", daemon=True).start()
+        return True
+
+    def _run(self, woken: int) -> None:
+        while True:
+            os.read(woken, 512)  # a signal came (SIGCHLD, or another the agent handles)
+            time.sleep(SETTLE)
+            os.set_blocking(woken, False)
+            try:
+                while os.read(woken, 512):
+                    pass
+            except BlockingIOError:
+                pass
+            os.set_blocking(woken, True)
+            try:
+                self.reap()
+            except Exception as exc:  # never the agent's end: the next SIGCHLD tries again
+                log(f"reaper: {exc!r}")
+
+
+def _on_child(signum: int, frame: FrameType | None) -> None:
+    """SIGCHLD's handler: nothing to do here; its wake-up byte wakes the reaper."""
