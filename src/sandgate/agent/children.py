@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
     from typing import Protocol
 
+    from sandgate.agent.orphans import Reaper
     from sandgate.agent.output import Output
     from sandgate.agent.request import Header
 
@@ -244,33 +245,41 @@ def session_groups(sessions: set[int]) -> set[int]:
     return groups
 
 
-def fork_terminal(slave: int, argv: list[str], env: dict[str, str], cwd: str) -> int:
+def _become(slave: int, argv: list[str], env: dict[str, str], cwd: str, error_w: int) -> None:
+    """The forked child: no locks, nothing but these calls; it never returns."""
+    try:
+        for signum in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        os.login_tty(slave)  # setsid, TIOCSCTTY, stdin/stdout/stderr
+        os.chdir(cwd)
+        os.execve(argv[0], argv, env)
+    except BaseException as exc:
+        code = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EINVAL
+        try:
+            os.write(error_w, str(code).encode())
+        finally:
+            os._exit(127)
+    os._exit(127)  # not reached
+
+
+def fork_terminal(slave: int, argv: list[str], env: dict[str, str], cwd: str, guard: Reaper) -> int:
     """Fork a child that takes ``slave`` as its controlling terminal and execs ``argv``.
 
     subprocess cannot make a terminal the controlling one (preexec_fn is unsafe in a threaded
     process), so this forks and execs at once; the child does nothing else. Exec failures come
-    back through a close-on-exec pipe, as with subprocess.
+    back through a close-on-exec pipe, as with subprocess. ``guard`` is held from the fork
+    until the child is recorded as the agent's (orphans.py), not while it starts.
     """
     import select
 
     error_r, error_w = os.pipe()
     try:
-        pid = os.fork()
-        if pid == 0:  # the child: no locks, nothing but the calls below
-            try:
-                for signum in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGTERM, signal.SIGINT):
-                    signal.signal(signum, signal.SIG_DFL)
-                signal.pthread_sigmask(signal.SIG_SETMASK, ())
-                os.login_tty(slave)  # setsid, TIOCSCTTY, stdin/stdout/stderr
-                os.chdir(cwd)
-                os.execve(argv[0], argv, env)
-            except BaseException as exc:
-                code = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EINVAL
-                try:
-                    os.write(error_w, str(code).encode())
-                finally:
-                    os._exit(127)
-            os._exit(127)  # not reached
+        with guard:  # the child never leaves this block: it execs or exits in _become
+            pid = os.fork()
+            if pid == 0:
+                _become(slave, argv, env, cwd, error_w)
+            guard.own(pid)
     finally:
         os.close(error_w)
     try:

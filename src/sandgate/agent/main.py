@@ -25,6 +25,7 @@ port requests are served by the port loop; stderr is the agent's log.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -341,6 +342,22 @@ def _tune_malloc(st: AgentState) -> None:
         log(f"malloc tuning unavailable: {exc}")
 
 
+def _wait_for_request(st: AgentState) -> None:
+    """Until the request pipe has bytes (or its end): a SIGCHLD meanwhile has a thread scan
+    for orphans (orphans.py)."""
+    import select
+
+    poller = select.poll()
+    poller.register(0, select.POLLIN)
+    poller.register(st.reaper.wake_fd, select.POLLIN)
+    while True:
+        ready = dict(poller.poll())
+        if st.reaper.wake_fd in ready:
+            st.reaper.woken(st.threads.run)
+        if 0 in ready:
+            return
+
+
 def _parse_args(argv: list[str]) -> dict[str, str]:
     """``--workspace DIR --tmp DIR [--root /] [--cwd DIR]`` (also ``--name=DIR``); argparse
     is too slow to import. ``--root /``: the whole root is the sandbox's own (a template's
@@ -414,10 +431,15 @@ def main(argv: list[str]) -> int:
     ready = {"event": "ready", "pid": os.getpid(), "version": PROTOCOL_VERSION}
     _write_frame(st, frames.encode(ready))
     _tune_malloc(st)  # after the ready event (off the create latency path), before any request
-    st.reaper.start()  # as its sandbox's pid 1, orphans are the agent's to reap (orphans.py)
-    stdin = sys.stdin.buffer
+    # as its sandbox's pid 1, orphans are the agent's to reap (orphans.py): the loop then
+    # waits for a request or a SIGCHLD together, and reads its pipe unbuffered (a frame
+    # left in a buffer would wait for the next one's bytes)
+    reaping = st.reaper.start()
+    stdin = io.FileIO(0, "rb", closefd=False) if reaping else sys.stdin.buffer
     while True:
         try:
+            if reaping:
+                _wait_for_request(st)
             frame = frames.read_frame(stdin)
         except (frames.FrameError, OSError) as exc:
             _fatal(st, f"malformed request frame: {exc}")

@@ -15,10 +15,12 @@ its child is recorded (`own`), and the reaper scans and reaps under the guard he
 child is recorded with its start time, so a pid the kernel hands out again after its owner
 waited for it is not mistaken for the agent's.
 
-The reaper runs on a thread of its own, woken by SIGCHLD (``signal.set_wakeup_fd``; nothing
-runs while nothing exits) and then waits `SETTLE` seconds, so a burst of exits costs one
-scan of /proc (the sandbox's own: a handful of entries). Where the agent is not pid 1 (the
-process runtime, tests on the host) the guard is kept and nothing else runs.
+No thread waits for SIGCHLD (a thread is a task too, and would undo the one saved): its
+handler's wake-up byte (``signal.set_wakeup_fd``) makes the agent's main loop, which polls its
+request pipe and that byte together (main.py), hand one scan to a request thread, which waits
+`SETTLE` seconds first, so a burst of exits costs one scan of /proc (the sandbox's own: a
+handful of entries). Where the agent is not pid 1 (the process runtime, tests on the host)
+nothing of this runs and nothing is recorded.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import time
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import FrameType, TracebackType
 
     from sandgate.agent.log import log
@@ -60,7 +63,7 @@ def start_time(pid: int) -> bytes | None:
 class Reaper:
     """The spawn guard and, for a pid 1, the reaper of orphaned zombies (module docstring)."""
 
-    __slots__ = ("_cond", "_owned", "_pid", "_reaping", "_spawning")
+    __slots__ = ("_cond", "_owned", "_pid", "_reaping", "_scan_due", "_spawning", "wake_fd")
 
     def __init__(self, pid: int) -> None:
         self._pid = pid  # whose orphans: the agent's own pid (1 in its sandbox)
@@ -70,6 +73,8 @@ class Reaper:
         # the agent's own children: pid -> start time, recorded under the guard; a pid is
         # forgotten by the first scan that no longer finds it in /proc
         self._owned: dict[int, bytes | None] = {}
+        self._scan_due = False  # a scan is handed to a thread and has not begun
+        self.wake_fd = -1  # readable when a SIGCHLD came (`start`); -1: not reaping
 
     # ------------------------------------------------------------------ the guard
 
@@ -96,8 +101,10 @@ class Reaper:
                 self._cond.notify_all()
 
     def own(self, pid: int) -> None:
-        """Record a child the agent just started (inside `spawning`): never reaped here."""
-        self._owned[pid] = start_time(pid)
+        """Record a child the agent just started (inside `spawning`): never reaped here. A
+        start time that cannot be read (no descriptor left) records the pid as ours anyway."""
+        if self.wake_fd >= 0:
+            self._owned[pid] = start_time(pid)
 
     # ------------------------------------------------------------------ the reaper
 
@@ -124,8 +131,10 @@ class Reaper:
             fields = _stat_fields(pid)
             if fields is None or len(fields) < 20 or fields[0] != b"Z":
                 continue
-            if int(fields[1]) != self._pid or self._owned.get(pid, b"") == fields[19]:
-                continue  # someone else's child, or the agent's own: its owner waits for it
+            if int(fields[1]) != self._pid:
+                continue  # someone else's child
+            if pid in self._owned and self._owned[pid] in (None, fields[19]):
+                continue  # the agent's own: whoever started it waits for it
             try:
                 done, _ = os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
@@ -136,32 +145,40 @@ class Reaper:
         return reaped
 
     def start(self) -> bool:
-        """Reap orphans from now on, if this process is pid 1 (from the main thread)."""
+        """Reap orphans from now on, if this process is pid 1 (from the main thread, before
+        any spawn): True when it does, and `wake_fd` then turns readable on SIGCHLD."""
         if self._pid != 1:
             return False
         woken, wake = os.pipe()
         os.set_blocking(wake, False)
-        os.set_blocking(woken, True)
+        os.set_blocking(woken, False)
         signal.signal(signal.SIGCHLD, _on_child)
         signal.set_wakeup_fd(wake, warn_on_full_buffer=False)
-        threading.Thread(target=self._run, args=(woken,), name="reaper", daemon=True).start()
+        self.wake_fd = woken
         return True
 
-    def _run(self, woken: int) -> None:
-        while True:
-            os.read(woken, 512)  # a signal came (SIGCHLD, or another the agent handles)
-            time.sleep(SETTLE)
-            os.set_blocking(woken, False)
-            try:
-                while os.read(woken, 512):
-                    pass
-            except BlockingIOError:
+    def woken(self, run: Callable[[Callable[[], None]], None]) -> None:
+        """`wake_fd` is readable: empty it and hand a scan to `run` (a thread of the
+        agent's), unless one is due already; a signal after the scan begins asks for another."""
+        try:
+            while os.read(self.wake_fd, 512):
                 pass
-            os.set_blocking(woken, True)
-            try:
-                self.reap()
-            except Exception as exc:  # never the agent's end: the next SIGCHLD tries again
-                log(f"reaper: {exc!r}")
+        except BlockingIOError:
+            pass
+        with self._cond:
+            if self._scan_due:
+                return
+            self._scan_due = True
+        run(self._scan_later)
+
+    def _scan_later(self) -> None:
+        time.sleep(SETTLE)
+        with self._cond:
+            self._scan_due = False
+        try:
+            self.reap()
+        except Exception as exc:  # never the agent's end: the next SIGCHLD tries again
+            log(f"reaper: {exc!r}")
 
 
 def _on_child(signum: int, frame: FrameType | None) -> None:

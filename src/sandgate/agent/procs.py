@@ -539,9 +539,7 @@ class Registry:
             master, slave = os.openpty()
             try:
                 fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-                with self._reaper.spawning():  # never waited for by the reaper (orphans.py)
-                    pid = fork_terminal(slave, argv, env, cwd)
-                    self._reaper.own(pid)
+                pid = fork_terminal(slave, argv, env, cwd, self._reaper)
             except BaseException:
                 os.close(master)
                 raise

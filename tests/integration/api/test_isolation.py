@@ -196,7 +196,7 @@ def test_workers_report_enforced_features(alpha: httpx.Client) -> None:
 
 def test_tenant_code_cannot_reach_the_agent(alpha: httpx.Client, sandbox: str) -> None:
     """The agent runs as the tenant's uid; it must still be out of reach of tenant code. It is
-    the sandbox's pid 1 (bwrap --as-pid-1), which no signal from inside can stop either."""
+    the sandbox's pid 1 (bwrap --as-pid-1): SIGKILL and SIGSTOP from inside do not reach it."""
     probe = run(
         alpha,
         sandbox,
