@@ -275,7 +275,7 @@ def fork_terminal(slave: int, argv: list[str], env: dict[str, str], cwd: str, gu
 
     error_r, error_w = os.pipe()
     try:
-        with guard:  # the child never leaves this block: it execs or exits in _become
+        with guard.spawning():  # the child never leaves this block: it execs or exits in _become
             pid = os.fork()
             if pid == 0:
                 _become(slave, argv, env, cwd, error_w)

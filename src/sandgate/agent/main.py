@@ -36,6 +36,7 @@ from types import MappingProxyType
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
+    import select
     from collections.abc import Callable, Mapping
     from types import FrameType
 
@@ -342,20 +343,25 @@ def _tune_malloc(st: AgentState) -> None:
         log(f"malloc tuning unavailable: {exc}")
 
 
-def _wait_for_request(st: AgentState) -> None:
+def _wait_for_request(st: AgentState, poller: select.poll) -> None:
     """Until the request pipe has bytes (or its end): a SIGCHLD meanwhile has a thread scan
-    for orphans (orphans.py)."""
-    import select
-
-    poller = select.poll()
-    poller.register(0, select.POLLIN)
-    poller.register(st.reaper.wake_fd, select.POLLIN)
+    for orphans (orphans.py). `poller` watches both (`_request_poller`)."""
     while True:
         ready = dict(poller.poll())
         if st.reaper.wake_fd in ready:
             st.reaper.woken(st.threads.run)
         if 0 in ready:
             return
+
+
+def _request_poller(st: AgentState) -> select.poll:
+    """One poll set of the request pipe and the reaper's wake-up byte, for every wait."""
+    import select
+
+    poller = select.poll()
+    poller.register(0, select.POLLIN)
+    poller.register(st.reaper.wake_fd, select.POLLIN)
+    return poller
 
 
 def _parse_args(argv: list[str]) -> dict[str, str]:
@@ -434,12 +440,12 @@ def main(argv: list[str]) -> int:
     # as its sandbox's pid 1, orphans are the agent's to reap (orphans.py): the loop then
     # waits for a request or a SIGCHLD together, and reads its pipe unbuffered (a frame
     # left in a buffer would wait for the next one's bytes)
-    reaping = st.reaper.start()
-    stdin = io.FileIO(0, "rb", closefd=False) if reaping else sys.stdin.buffer
+    poller = _request_poller(st) if st.reaper.start() else None
+    stdin = sys.stdin.buffer if poller is None else io.FileIO(0, "rb", closefd=False)
     while True:
         try:
-            if reaping:
-                _wait_for_request(st)
+            if poller is not None:
+                _wait_for_request(st, poller)
             frame = frames.read_frame(stdin)
         except (frames.FrameError, OSError) as exc:
             _fatal(st, f"malformed request frame: {exc}")

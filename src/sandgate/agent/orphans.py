@@ -108,21 +108,21 @@ class Reaper:
 
     # ------------------------------------------------------------------ the reaper
 
-    def reap(self) -> int:
-        """Wait for every zombie child of ours that the agent did not start: how many."""
+    def reap(self) -> None:
+        """Wait for every zombie child of ours that the agent did not start."""
         with self._cond:
             self._reaping = True
             while self._spawning:
                 self._cond.wait()
         try:
-            return self._reap_alone()
+            self._reap_alone()
         finally:
             with self._cond:
                 self._reaping = False
                 self._cond.notify_all()
 
-    def _reap_alone(self) -> int:
-        reaped, present = 0, set()
+    def _reap_alone(self) -> None:
+        present = set()
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -136,13 +136,11 @@ class Reaper:
             if pid in self._owned and self._owned[pid] in (None, fields[19]):
                 continue  # the agent's own: whoever started it waits for it
             try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
+                os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
-                continue
-            reaped += bool(done)
+                pass
         for pid in [p for p in self._owned if p not in present]:
             del self._owned[pid]
-        return reaped
 
     def start(self) -> bool:
         """Reap orphans from now on, if this process is pid 1 (from the main thread, before

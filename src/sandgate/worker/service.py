@@ -59,7 +59,7 @@ from sandgate.worker.git_history import Author
 from sandgate.worker.git_ops import WORKSPACE_OPS, git_work
 from sandgate.worker.images import INCOMING, FetchChunk, LayerCache
 from sandgate.worker.runtime.base import ImageSpec, LayerRef, Runtime, SandboxSpec
-from sandgate.worker.state import LiveSandbox, Starting, WorkerLocalState
+from sandgate.worker.state import LiveSandbox, Starting, WorkerLocalState, add_granted
 from sandgate.worker.workspaces import WorkspaceHost
 
 log = logging.getLogger(__name__)
@@ -239,8 +239,7 @@ class WorkerService:
                     used[name] += amount
             for ready in self.state.pool.values():
                 for live in ready:
-                    for name in placement.BUDGETED:
-                        used[name] += int(getattr(live.running.spec, name))
+                    add_granted(used, live.running.spec)
             if (name := placement.short_of(need, used, budget)) is not None:
                 raise NoCapacityError(
                     f"worker has {budget[name] - used[name]} of its {budget[name]} {name} left "

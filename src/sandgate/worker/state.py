@@ -48,6 +48,12 @@ class Starting:
 V = TypeVar("V")
 
 
+def add_granted(totals: dict[str, int], spec: SandboxSpec, sign: int = 1) -> None:
+    """Add (or, with `sign` -1, take off) what `spec` grants of each budgeted resource."""
+    for name in placement.BUDGETED:
+        totals[name] += sign * int(getattr(spec, name))
+
+
 class GrantTally(MutableMapping[str, V], Generic[V]):
     """Sandbox name -> a sandbox (running, starting, tearing down), keeping the sum of what
     they were granted of each budgeted resource (`placement.BUDGETED`) as entries come and go.
@@ -71,9 +77,7 @@ class GrantTally(MutableMapping[str, V], Generic[V]):
         return dict(self._granted)
 
     def _count(self, value: V, sign: int) -> None:
-        spec = self._spec_of(value)
-        for name in placement.BUDGETED:
-            self._granted[name] += sign * int(getattr(spec, name))
+        add_granted(self._granted, self._spec_of(value), sign)
 
     def __getitem__(self, key: str) -> V:
         return self._entries[key]
