@@ -84,9 +84,9 @@ def known_revisions() -> frozenset[str]:
     return frozenset(rev.revision for rev in script.walk_revisions())
 
 
-def _upgrade_sync(connection: Connection, cfg: Config) -> None:
+def _upgrade_sync(connection: Connection, cfg: Config, revision: str) -> None:
     cfg.attributes["connection"] = connection
-    command.upgrade(cfg, "head")
+    command.upgrade(cfg, revision)
 
 
 def _current_sync(connection: Connection) -> str | None:
@@ -116,8 +116,9 @@ def _sqlite_file(url: URL) -> Path | None:
     return Path(os.path.expanduser(url.database))
 
 
-async def upgrade(url: str) -> None:
-    """Bring the database at `url` to the newest revision. Safe to run repeatedly."""
+async def upgrade(url: str, revision: str = "head") -> None:
+    """Bring the database at `url` to the newest revision (or to `revision`, which tests of a
+    migration's own work use). Safe to run repeatedly."""
     target = async_url(url)
     db_file = _sqlite_file(target)
     if db_file is not None:
@@ -138,7 +139,7 @@ async def upgrade(url: str) -> None:
                 await conn.execute(
                     text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK}
                 )
-            await conn.run_sync(_upgrade_sync, cfg)
+            await conn.run_sync(_upgrade_sync, cfg, revision)
     finally:
         await engine.dispose()
 

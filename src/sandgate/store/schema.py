@@ -175,6 +175,20 @@ workers = Table(
     PrimaryKeyConstraint("name", name="pk_workers"),
 )
 
+# What each worker's live (pending or running) sandboxes hold: how many, and the memory_mb
+# and disk_mb they were granted (core.placement.BUDGETED). Kept by triggers on `sandboxes`
+# (migration 0007) in the transaction of every change to a sandbox, so that placement and the
+# create's exact check read one row instead of summing the worker's sandboxes.
+worker_usage = Table(
+    "worker_usage",
+    metadata,
+    Column("worker", Text, nullable=False),
+    Column("live", BigInteger, nullable=False, server_default=text("0")),
+    Column("memory_mb", BigInteger, nullable=False, server_default=text("0")),
+    Column("disk_mb", BigInteger, nullable=False, server_default=text("0")),
+    PrimaryKeyConstraint("worker", name="pk_worker_usage"),
+)
+
 tunnel_owners = Table(
     "tunnel_owners",
     metadata,

@@ -229,6 +229,11 @@ STORE_GROWTH: Final[tuple[tuple[str, str, str], ...]] = (
         "one name per worker key (operator-created); kept while the key exists",
     ),
     (
+        "worker_usage",
+        "one row per worker that held a sandbox (kept by triggers on sandboxes)",
+        "one per worker name, as `workers`; its counts are its live sandboxes'",
+    ),
+    (
         "tunnel_owners",
         "one row per worker tunnel",
         "released when its tunnel closes; one not renewed for 1 h (its instance died): "
