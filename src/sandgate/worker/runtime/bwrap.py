@@ -773,7 +773,6 @@ class BwrapRuntime:
             str(inner_uid),
             "--gid",
             str(inner_uid),
-            "--disable-userns",
             "--unshare-pid",
             *(["--as-pid-1"] if as_pid_1 else []),
             "--unshare-ipc",

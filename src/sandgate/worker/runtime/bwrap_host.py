@@ -37,7 +37,7 @@ from sandgate.worker.uids import UidPool
 log = logging.getLogger(__name__)
 
 SANDBOX_UID = 1000
-MIN_BWRAP = (0, 8, 0)  # --disable-userns
+MIN_BWRAP = (0, 8, 0)  # the oldest tested (Debian 12's); --size alone needs 0.5.0
 
 # Host /etc entries bound read-only into the sandbox when present. Nothing else of the
 # host's /etc is visible (no shadow, no keys, no host names).
@@ -99,7 +99,7 @@ async def check_bwrap_version(bwrap: str) -> None:
     if version < MIN_BWRAP:
         raise WorkerError(
             f"bubblewrap {'.'.join(map(str, version))} is too old (need "
-            f"{'.'.join(map(str, MIN_BWRAP))} for --disable-userns)"
+            f"{'.'.join(map(str, MIN_BWRAP))}, the oldest release sandgate is tested with)"
         )
 
 
