@@ -337,7 +337,11 @@ def create_sandbox_cgroups(
                 _write(d / "pids.max", str(pids))
             elif ctrl == "cpu":
                 if v1:
-                    _write(d / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+                    # Every write of either checks the bandwidth of every group on the host
+                    # (the kernel walks them all), so a period the new group already has (the
+                    # kernel's default, 100 ms) is read, not written again.
+                    if _read(d / "cpu.cfs_period_us").strip() != str(CPU_PERIOD_US):
+                        _write(d / "cpu.cfs_period_us", str(CPU_PERIOD_US))
                     _write(d / "cpu.cfs_quota_us", str(quota))
                 else:
                     _write(d / "cpu.max", f"{quota} {CPU_PERIOD_US}")
