@@ -88,21 +88,29 @@ def _pg_triggers() -> list[str]:
     added = ", ".join(_pg_granted("NEW", n) for n in BUDGETED)
     summed = ", ".join(f"{n} = u.{n} + excluded.{n}" for n in BUDGETED)
     columns = ", ".join(BUDGETED)
+    # A sandbox moved between two workers (a pending one placed again) locks both rows:
+    # always the smaller name first, so that two moves the opposite ways cannot deadlock.
     function = f"""
 CREATE OR REPLACE FUNCTION sandgate_worker_usage() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    side text;
 BEGIN
-    IF TG_OP <> 'INSERT' THEN
-        IF OLD.worker IS NOT NULL AND OLD.state IN {LIVE} THEN
-            UPDATE worker_usage SET live = live - 1, {taken} WHERE worker = OLD.worker;
+    FOREACH side IN ARRAY CASE
+        WHEN TG_OP = 'UPDATE' AND NEW.worker < OLD.worker THEN ARRAY['new', 'old']
+        ELSE ARRAY['old', 'new'] END
+    LOOP
+        IF side = 'old' AND TG_OP <> 'INSERT' THEN
+            IF OLD.worker IS NOT NULL AND OLD.state IN {LIVE} THEN
+                UPDATE worker_usage SET live = live - 1, {taken} WHERE worker = OLD.worker;
+            END IF;
+        ELSIF side = 'new' AND TG_OP <> 'DELETE' THEN
+            IF NEW.worker IS NOT NULL AND NEW.state IN {LIVE} THEN
+                INSERT INTO worker_usage AS u (worker, live, {columns})
+                VALUES (NEW.worker, 1, {added})
+                ON CONFLICT (worker) DO UPDATE SET live = u.live + 1, {summed};
+            END IF;
         END IF;
-    END IF;
-    IF TG_OP <> 'DELETE' THEN
-        IF NEW.worker IS NOT NULL AND NEW.state IN {LIVE} THEN
-            INSERT INTO worker_usage AS u (worker, live, {columns})
-            VALUES (NEW.worker, 1, {added})
-            ON CONFLICT (worker) DO UPDATE SET live = u.live + 1, {summed};
-        END IF;
-    END IF;
+    END LOOP;
     RETURN NULL;
 END
 $$"""
