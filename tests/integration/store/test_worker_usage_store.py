@@ -7,6 +7,7 @@ lists, by `core.placement.usage`: what the create path summed before the row exi
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import random
 import uuid
 from collections.abc import Iterator
@@ -22,9 +23,10 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sandgate.core import placement
 from sandgate.errors import CapacityConflictError
 from sandgate.store.base import SandboxName, SandboxState, Worker, WorkerName, WorkerUsage
-from sandgate.store.migrate import async_url, upgrade
-from sandgate.store.schema import sandboxes
+from sandgate.store.migrate import MIGRATIONS_DIR, async_url, upgrade
+from sandgate.store.schema import sandboxes, worker_usage
 from sandgate.store.sql import SqlStore, open_store
+from sandgate.store.sql.rows import LIVE_STATES
 
 from .conftest import _with_database, admin_execute, run_in_fresh_loop
 from .test_store_contract import T0, job, sandbox
@@ -32,7 +34,7 @@ from .test_store_contract import T0, job, sandbox
 pytestmark = pytest.mark.anyio
 
 WORKERS = [WorkerName(f"w{i}") for i in range(3)]
-LIVE: tuple[SandboxState, ...] = ("pending", "running")
+LIVE = LIVE_STATES
 
 
 async def expected(store: SqlStore, worker: WorkerName) -> WorkerUsage:
@@ -187,3 +189,18 @@ async def test_the_migration_counts_the_sandboxes_already_there(empty_url: str) 
         await assert_exact(store)
     finally:
         await store.aclose()
+
+
+def test_the_triggers_count_what_the_code_counts() -> None:
+    """The triggers were written for the live states and budgeted resources of revision
+    0007. When the code's change, this fails: a migration must re-create the triggers (and
+    re-count the rows) for the new ones."""
+    spec = importlib.util.spec_from_file_location(
+        "m0007", MIGRATIONS_DIR / "versions" / "0007_worker_usage.py"
+    )
+    assert spec is not None and spec.loader is not None
+    migration = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(migration)
+    assert migration.LIVE == "(" + ", ".join(f"'{s}'" for s in LIVE_STATES) + ")"
+    assert migration.BUDGETED == placement.BUDGETED
+    assert tuple(c.name for c in worker_usage.c) == ("worker", "live", *placement.BUDGETED)
