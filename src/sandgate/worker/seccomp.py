@@ -192,7 +192,7 @@ def export_bpf() -> bytes:
     """Build the sandbox filter for the native architecture and return its raw BPF program.
 
     Other architectures' syscall ABIs (i386 via int 0x80, x32) hit libseccomp's default
-    bad-arch action, which kills the process.
+    bad-arch action, which kills the thread that made the call (the call never runs).
     """
     lib = _load_libseccomp()
     ctx = lib.seccomp_init(SCMP_ACT_ALLOW)

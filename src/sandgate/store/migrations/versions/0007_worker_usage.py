@@ -15,7 +15,8 @@ SQLite). The triggers make both reads one row, whoever writes: an instance of th
 release keeps the table exact too, since it is the database that keeps it.
 
 A granted value that is not a JSON number counts 0, and a fractional one its integer part,
-as `core.placement.usage` counts them.
+as `core.placement.usage` counts them; a JSON boolean counts 0 here where `usage` would count
+`true` as 1 (the API never stores one: both are integers with a lower bound).
 """
 
 from __future__ import annotations
