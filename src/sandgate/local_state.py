@@ -88,6 +88,13 @@ AGENT_GROWTH: tuple[tuple[str, str, str], ...] = (
         "256 still running is refused",
     ),
     (
+        "agent `Reaper._owned`",
+        "the agent's own children with their start times, as the sandbox's pid 1 (orphans.py: "
+        "never reaped by it)",
+        "the sandbox's processes: each scan for orphans forgets the pids gone from its /proc, "
+        "and every recorded child's exit brings a scan; empty where the agent is not pid 1",
+    ),
+    (
         "agent code contexts (kernel_bridge.py processes tagged ctx:<id>, each with its "
         "IPython kernel)",
         "the variables and imports of each code context",
