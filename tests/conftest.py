@@ -29,6 +29,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Once every test has ended: in the controlling process, not in each xdist worker (the
+    first to finish once unmounted a workspace from under a test still running on the
+    other)."""
+    if hasattr(session.config, "workerinput"):
+        return
     from tests.statedirs import unmount_test_leftovers
 
     unmount_test_leftovers()  # a killed worker's mounts would keep their loop devices

@@ -173,14 +173,16 @@ def _data_extents(fd: int) -> list[tuple[int, int]] | None:
     return extents
 
 
-def mount_image(image: Path, mount_point: Path) -> None:
-    """Mount the file system in `image` at `mount_point`, in this mount table."""
-    mount_fd = loopmount.mount_detached(image)
+def mount_image(image: Path, mount_point: Path, *, device: int | None = None) -> int:
+    """Mount the file system in `image` at `mount_point`, in this mount table: the number of
+    its loop device. `device`: that of the image's last mount (`loopmount.mount_detached`)."""
+    mount_fd, device = loopmount.mount_detached(image, device=device)
     try:
         loopmount.attach(mount_fd, mount_point)
     finally:
         os.close(mount_fd)
     os.chmod(mount_point, 0o711)
+    return device
 
 
 def create(
@@ -203,7 +205,7 @@ def create(
             copy_blank(image, disk_mb=disk_mb, blank_dir=blank_dir)
         mount_point.mkdir(mode=0o711)
         if detached:
-            mount_fd = loopmount.mount_detached(image)
+            mount_fd = loopmount.mount_detached(image).fd
             root = loopmount.fd_path(mount_fd)
             os.chmod(root, 0o711)
         else:

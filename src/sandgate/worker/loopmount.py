@@ -13,7 +13,14 @@ into place (`root_step.py`), so the worker's mount table, which every sandbox st
 does not grow with the sandboxes. `attach` puts it in the caller's table instead.
 
 The loop device detaches itself once the file system is gone (``LO_FLAGS_AUTOCLEAR``): when
-the last mount of it is unmounted and the last fd to it closed. Blocking: call in a thread.
+the last mount of it is unmounted and the last fd to it closed. That can be later than our
+unmount: a process that copied our mount table meanwhile (any new mount namespace made with
+private propagation, a sandbox's namespace while it is torn down) holds the file system alive
+with its unwritten changes. Mounting the same image then through a second loop device would
+make a second file system on one file: it reads the image without those changes, and the
+first one writes them over it when it finally goes. So a mount given the device of the
+image's last mount (`mount_detached(device=...)`) mounts that device again while it still
+backs the image, and the kernel hands back the live file system. Blocking: call in a thread.
 """
 
 from __future__ import annotations
@@ -24,13 +31,14 @@ import fcntl
 import os
 import platform
 from pathlib import Path
-from typing import Final
+from typing import Final, NamedTuple
 
 from sandgate.errors import WorkerError
 
 # <linux/loop.h>
 _LOOP_CTL_GET_FREE: Final = 0x4C82
 _LOOP_CONFIGURE: Final = 0x4C0A
+_LOOP_GET_STATUS64: Final = 0x4C05
 _LO_FLAGS_AUTOCLEAR: Final = 4
 _LO_NAME_SIZE: Final = 64
 # the common syscall table (x86_64 and aarch64 alike)
@@ -88,9 +96,9 @@ def _check(result: int, what: str) -> int:
     return result
 
 
-def _loop_device(image_fd: int, name: bytes) -> tuple[int, str]:
+def _loop_device(image_fd: int, name: bytes) -> tuple[int, int]:
     """A free loop device now backed by `image_fd`, detaching itself when unused: its fd and
-    its path."""
+    its number."""
     config = _LoopConfig()
     config.fd = image_fd
     config.info.lo_flags = _LO_FLAGS_AUTOCLEAR
@@ -110,7 +118,7 @@ def _loop_device(image_fd: int, name: bytes) -> tuple[int, str]:
                 if exc.errno == errno.EBUSY:
                     continue
                 raise WorkerError(f"cannot set up loop device {number}: {exc.strerror}") from exc
-            return device, f"/dev/loop{number}"
+            return device, number
     except OSError as exc:
         raise WorkerError(f"cannot find a free loop device: {exc.strerror}") from exc
     finally:
@@ -118,19 +126,31 @@ def _loop_device(image_fd: int, name: bytes) -> tuple[int, str]:
     raise WorkerError("cannot set up a loop device: every free one was taken first; retry")
 
 
-def mount_detached(image: Path) -> int:
+class Detached(NamedTuple):
+    fd: int  # the detached mount (close-on-exec)
+    device: int  # the number of the loop device under it
+
+
+def mount_detached(image: Path, *, device: int | None = None) -> Detached:
     """Mount the ext4 file system in `image` nosuid, nodev, noatime, with discard (what the
-    sandbox deletes goes back to the host): a detached mount's fd (close-on-exec)."""
+    sandbox deletes goes back to the host), as a detached mount. `device`: the loop device
+    of the image's last mount; while it still backs the image its file system lives on, and
+    it is mounted again rather than a second one made (see the module's docstring)."""
     if platform.machine() not in ("x86_64", "aarch64"):
         raise WorkerError(f"the mount API is not wired for {platform.machine()}")
     image_fd = os.open(image, os.O_RDWR | os.O_CLOEXEC)
-    device = fs = -1
+    loop = fs = -1
     try:
-        device, device_path = _loop_device(image_fd, os.fsencode(image))
+        number = -1
+        if device is not None:
+            loop = _open_backing(device, os.fstat(image_fd))
+            number = device
+        if loop < 0:
+            loop, number = _loop_device(image_fd, os.fsencode(image))
         what = f"cannot mount the file system in {image}"
         fs = _check(_libc.syscall(_SYS_FSOPEN, b"ext4", ctypes.c_uint(_FSOPEN_CLOEXEC)), what)
         options = (
-            (_FSCONFIG_SET_STRING, b"source", device_path.encode()),
+            (_FSCONFIG_SET_STRING, b"source", f"/dev/loop{number}".encode()),
             (_FSCONFIG_SET_FLAG, b"discard", None),
             (_FSCONFIG_CMD_CREATE, None, None),
         )
@@ -142,14 +162,57 @@ def mount_detached(image: Path) -> int:
                 what,
             )
         attrs = _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | _MOUNT_ATTR_NOATIME
-        return _check(
+        mount_fd = _check(
             _libc.syscall(_SYS_FSMOUNT, fs, ctypes.c_uint(_FSMOUNT_CLOEXEC), ctypes.c_uint(attrs)),
             what,
         )
+        return Detached(mount_fd, number)
     finally:
-        for fd in (fs, device, image_fd):  # the mount holds the device, the device the file
+        for fd in (fs, loop, image_fd):  # the mount holds the device, the device the file
             if fd >= 0:
                 os.close(fd)
+
+
+def backs(device: int, image: Path) -> bool:
+    """Whether loop device `device` still backs `image`: a file system of it lives on."""
+    try:
+        st = os.stat(image)
+    except FileNotFoundError:
+        return False
+    fd = _open_backing(device, st)
+    if fd < 0:
+        return False
+    os.close(fd)
+    return True
+
+
+def _open_backing(device: int, image: os.stat_result) -> int:
+    """An fd of loop device `device` if it is backed by the file `image` describes (held
+    open, it cannot detach meanwhile), else -1."""
+    try:
+        fd = os.open(f"/dev/loop{device}", os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return -1
+    info = _LoopInfo64()
+    try:
+        fcntl.ioctl(fd, _LOOP_GET_STATUS64, info)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno == errno.ENXIO:  # backs nothing now
+            return -1
+        raise WorkerError(f"cannot read loop device {device}: {exc.strerror}") from exc
+    # the kernel's dev_t encoding (`new_encode_dev`), decoded to compare with the stat's
+    major = (info.lo_device & 0xFFF00) >> 8
+    minor = (info.lo_device & 0xFF) | ((info.lo_device >> 12) & 0xFFF00)
+    same = (major, minor, info.lo_inode) == (
+        os.major(image.st_dev),
+        os.minor(image.st_dev),
+        image.st_ino,
+    )
+    if not same:
+        os.close(fd)
+        return -1
+    return fd
 
 
 def attach(mount_fd: int, target: Path) -> None:

@@ -277,6 +277,20 @@ WORKER_OBJECT_STATE: Mapping[str, StateRow] = MappingProxyType(
             "exact across hosts: the flock on the workspace's lock file, on the shared root, "
             "keeps a second worker from mounting it; released by the kernel when this one dies",
         ),
+        "WorkspaceHost.lingering": StateRow(
+            "workspaces unmounted here whose file system lives on in a copy of the mount table "
+            "(a namespace being torn down): its loop device, mounted again by a mount "
+            "meanwhile, and the flock, kept until it is gone",
+            "the workspaces unmounted in the last moments, plus those a worker before this one "
+            "left alive on the host (found at start)",
+            "exact across hosts: the flock stays held until the file system is gone, so no "
+            "other worker mounts the image before its last changes are written",
+        ),
+        "WorkspaceHost._watchers": StateRow(
+            "tasks that let a lingering workspace's flock go once its file system is gone",
+            "one per lingering workspace",
+            "per-process by nature",
+        ),
         "WorkspaceHost.fences": StateRow(
             "the highest lock fence an operation on each workspace arrived with",
             "one integer per workspace used since the worker started",

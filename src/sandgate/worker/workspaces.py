@@ -16,6 +16,11 @@ into a sandbox: a tenant can plant neither hooks nor config). Both belong to STO
 same on every worker, which no sandbox runs as; a sandbox sees the files as its own through
 an idmapped bind (`idmap.py`), and git runs as STORAGE_UID (`git_history.py`).
 
+An image is mounted again only through the loop device of its last mount while that device
+still backs it: an unmounted file system can live on, held by a copy of this worker's mount
+table elsewhere, and a second one made on the same image would read it without its last
+changes, then be overwritten by them (`loopmount.py`). The flock is kept until it is gone.
+
 Operations on one workspace are serialised here (one worker has it mounted, and runs them in
 turn); across the deployment the control plane holds the workspace's advisory lock around
 each and sends the lock's fence: an operation that sees a higher fence arrive stops before
@@ -40,7 +45,7 @@ from typing import Any, Final, TypeVar
 from sandgate.core.clock import utcnow
 from sandgate.core.workspaces import check_id
 from sandgate.errors import ConflictError, NotFoundError, WorkerError
-from sandgate.worker import disk, idmap
+from sandgate.worker import disk, idmap, loopmount
 from sandgate.worker.git_history import Author, GitHistory
 
 log = logging.getLogger(__name__)
@@ -53,6 +58,7 @@ FILES: Final = "files"
 GIT: Final = "git"
 GIT_SLOTS: Final = 4  # workspaces whose git runs at once on one worker (the rest wait)
 FAULT_PAUSE: Final = 3.0  # the pause-workspace-git fault's wait between two git steps
+LINGER_POLL: Final = (0.01, 1.0)  # first and longest wait between checks of a lingering mount
 
 T = TypeVar("T")
 
@@ -61,7 +67,16 @@ T = TypeVar("T")
 class _Mounted:
     point: Path
     lock_fd: int  # the flock that says this worker has the image mounted
+    device: int  # the number of the loop device it is mounted from
     refs: int = 0  # sandboxes and operations using it
+
+
+@dataclass
+class _Lingering:
+    """An image unmounted here whose file system lives on, held by a copy of a mount table."""
+
+    device: int  # its loop device: a mount meanwhile mounts that one again
+    lock_fd: int  # the flock, kept until the file system is gone (-1: found at start, none)
 
 
 class WorkspaceHost:
@@ -80,6 +95,10 @@ class WorkspaceHost:
         self.problem: str | None = "not prepared"  # why workspaces cannot be served here
         # workspace id -> its mount while in use (refcounted)
         self.mounted: dict[str, _Mounted] = {}
+        # workspace id -> its file system that outlived its unmount here (module docstring)
+        self.lingering: dict[str, _Lingering] = {}
+        # the tasks that let each lingering flock go once its file system is gone
+        self._watchers: set[asyncio.Task[None]] = set()
         # workspace id -> the highest lock fence an operation on it arrived with
         self.fences: dict[str, int] = {}
         # workspace id -> serialises its mount, unmount and operations on this worker
@@ -101,6 +120,7 @@ class WorkspaceHost:
         for child in self.mounts_dir.iterdir():
             with contextlib.suppress(OSError):
                 child.rmdir()
+        self.lingering.update(_left_alive(self.root))
         if disk_problem is not None:
             self.problem = f"no disk quotas on this host ({disk_problem})"
             return
@@ -123,7 +143,10 @@ class WorkspaceHost:
                 if meta.get("owner") != owner:
                     raise ConflictError(f"workspace id {ws_id} is taken")
                 return await self._in_mounted(ws_id, owner, lambda git: git.head().to_json())
-            return await asyncio.to_thread(self._make, ws_id, owner, quota_mb, author)
+            try:
+                return await asyncio.to_thread(self._make, ws_id, owner, quota_mb, author)
+            finally:
+                self._watch_lingering(ws_id)
 
     async def delete(self, ws_id: str, owner: str) -> bool:
         check_id(ws_id)
@@ -265,38 +288,89 @@ class WorkspaceHost:
         held.refs -= 1
         if held.refs <= 0:
             del self.mounted[ws_id]
-            await asyncio.to_thread(self._unmount, held)
+            try:
+                await asyncio.to_thread(self._unmount, ws_id, held)
+            finally:
+                self._watch_lingering(ws_id)
 
     def _mount(self, ws_id: str) -> _Mounted:
-        fd = os.open(self._dir(ws_id) / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ConflictError(
-                f"workspace {ws_id} is mounted by another worker; retry once its sandboxes there "
-                "are gone",
-                code="workspace_busy",
-            ) from None
+        """Blocking: mount the image (again through the loop device its file system lives
+        on, if it outlived an unmount), under the flock."""
+        left = self.lingering.pop(ws_id, None)
+        if left is not None and left.lock_fd >= 0:
+            fd = left.lock_fd
+        else:
+            fd = os.open(self._dir(ws_id) / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if left is not None:
+                    self.lingering[ws_id] = left
+                raise ConflictError(
+                    f"workspace {ws_id} is mounted by another worker; retry once its sandboxes "
+                    "there are gone",
+                    code="workspace_busy",
+                ) from None
         point = self.mounts_dir / ws_id
         try:
             point.mkdir(mode=0o711, exist_ok=True)
-            disk.mount_image(self._dir(ws_id) / IMAGE, point)
+            device = disk.mount_image(
+                self._dir(ws_id) / IMAGE, point, device=None if left is None else left.device
+            )
         except BaseException:
             with contextlib.suppress(OSError):
                 point.rmdir()
-            os.close(fd)
+            if left is not None and left.lock_fd >= 0:
+                self.lingering[ws_id] = left  # still held by its file system, if alive
+            else:
+                os.close(fd)
             raise
-        return _Mounted(point, fd)
+        return _Mounted(point, fd, device)
 
-    def _unmount(self, held: _Mounted) -> None:
+    def _unmount(self, ws_id: str, held: _Mounted) -> None:
+        """Blocking: unmount; the flock goes with the file system, or is kept (`lingering`)
+        while a copy of this mount table elsewhere holds it alive, so that no other worker
+        mounts the image before its last changes are written."""
         try:
             if os.path.ismount(held.point):
                 disk.unmount(held.point)
             with contextlib.suppress(OSError):
                 held.point.rmdir()
         finally:
-            os.close(held.lock_fd)
+            if loopmount.backs(held.device, self._dir(ws_id) / IMAGE):
+                self.lingering[ws_id] = _Lingering(held.device, held.lock_fd)
+                log.warning(
+                    "workspace.file_system_lingers",
+                    extra={"workspace": ws_id, "device": held.device},
+                )
+            else:
+                os.close(held.lock_fd)
+
+    def _watch_lingering(self, ws_id: str) -> None:
+        left = self.lingering.get(ws_id)
+        if left is None or left.lock_fd < 0:
+            return
+        task = asyncio.get_running_loop().create_task(self._let_go_when_gone(ws_id, left))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    async def _let_go_when_gone(self, ws_id: str, left: _Lingering) -> None:
+        """Check the lingering file system now and then; once it is gone, let the flock go."""
+        wait, longest = LINGER_POLL
+        while True:
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, longest)
+            async with self._lock(ws_id):
+                if self.lingering.get(ws_id) is not left:
+                    return  # mounted again here (with its flock), or deleted
+                image = self._dir(ws_id) / IMAGE
+                if await asyncio.to_thread(loopmount.backs, left.device, image):
+                    continue
+                del self.lingering[ws_id]
+                os.close(left.lock_fd)
+                log.info("workspace.file_system_gone", extra={"workspace": ws_id})
+                return
 
     def _make(self, ws_id: str, owner: str, quota_mb: int, author: Author) -> dict[str, Any]:
         where = self._dir(ws_id)
@@ -317,7 +391,7 @@ class WorkspaceHost:
                 )
                 head: dict[str, Any] = git.init(author).to_json()
             finally:
-                self._unmount(held)
+                self._unmount(ws_id, held)
             record = {
                 "id": ws_id,
                 "owner": owner,
@@ -334,6 +408,9 @@ class WorkspaceHost:
 
     def _remove(self, ws_id: str) -> None:
         where = self._dir(ws_id)
+        left = self.lingering.pop(ws_id, None)
+        if left is not None and left.lock_fd >= 0:  # it goes on into a removed image
+            os.close(left.lock_fd)
         fd = -1
         with contextlib.suppress(FileNotFoundError):
             fd = os.open(where / LOCK, os.O_RDWR | os.O_CLOEXEC)
@@ -360,6 +437,20 @@ def _lock_lost(ws_id: str) -> ConflictError:
         "another operation took it; this one stopped before its next step: retry it",
         code="workspace_lock_lost",
     )
+
+
+def _left_alive(root: Path) -> dict[str, _Lingering]:
+    """The workspace images under `root` that a loop device still backs (a file system left
+    alive by an earlier worker here, or mounted by another one on this host now): where a
+    mount here must mount it again."""
+    found: dict[str, _Lingering] = {}
+    root = root.resolve()  # as the kernel names the backing file
+    for entry in Path("/sys/block").glob("loop*/loop/backing_file"):
+        with contextlib.suppress(OSError, ValueError):
+            image = Path(entry.read_text().strip())
+            if image.name == IMAGE and image.parent.parent == root:
+                found[image.parent.name] = _Lingering(int(entry.parent.parent.name[4:]), -1)
+    return found
 
 
 def _probe_idmap(work: Path, uid: int) -> str | None:

@@ -5,11 +5,13 @@ the storage uid to the sandbox's, and a lower fence stops before touching git.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -36,10 +38,15 @@ def base() -> Iterator[Path]:
         pytest.skip("workspaces need root and e2fsprogs")
     where = Path("/var/lib/sandgate-test") / f"wshost-{os.getpid()}-{new_workspace_id()[3:11]}"
     where.mkdir(parents=True)
+    # held as a running worker holds its state dir's: another session's cleanup of the test
+    # roots leaves these mounts alone (tests/statedirs.py)
+    lock = os.open(where / "worker.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
     try:
         yield where
     finally:
         disk.unmount_leftovers(where)
+        os.close(lock)
         shutil.rmtree(where, ignore_errors=True)
 
 
@@ -96,6 +103,102 @@ async def test_probe_create_attach_bind_release(base: Path) -> None:
     await two.release(ws_id)
     assert await two.delete(ws_id, "alpha")
     assert not (base / "root" / ws_id).exists()
+
+
+def devices_backing(image: Path) -> list[str]:
+    return [
+        entry.parent.parent.name
+        for entry in Path("/sys/block").glob("loop*/loop/backing_file")
+        if entry.read_text().strip() == str(image)
+    ]
+
+
+@contextlib.contextmanager
+def mount_table_copied(inside: Path) -> Iterator[None]:
+    """A process in a private copy of this mount table, its working directory `inside` a
+    mount (as a sandbox's last process, or a git jail's, while its namespace goes): an
+    unmount here leaves that file system alive there."""
+    holder = subprocess.Popen(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            'cd "$0" && echo up; exec sleep 600',
+            str(inside),
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"up\n"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
+
+
+async def until(check: Callable[[], bool]) -> None:
+    for _ in range(200):
+        if check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("not within 10 s")
+
+
+async def test_a_file_system_outliving_its_unmount_is_mounted_again_not_made_twice(
+    base: Path,
+) -> None:
+    """A mount right after an unmount once made a second file system on the image while a
+    copy of the mount table kept the first alive: it read the image without the last
+    changes (a test's fresh `files/` was not there), and the first one would write them over
+    it when it went."""
+    one, two = host(base, "w1"), host(base, "w2")
+    ws_id = new_workspace_id()
+    image = base / "root" / ws_id / "disk.img"
+    await one.create(ws_id, "alpha", 16, AUTHOR)
+    files = await one.attach(ws_id, "alpha")
+    (files / "a").write_text("fresh")  # written back by nothing before the unmount
+    with mount_table_copied(files):
+        await one.release(ws_id)
+        assert ws_id in one.lingering and len(devices_backing(image)) == 1
+        with pytest.raises(ConflictError) as busy:  # the flock stays while it lives
+            await two.attach(ws_id, "alpha")
+        assert busy.value.code == "workspace_busy"
+        files = await one.attach(ws_id, "alpha")
+        assert (files / "a").read_text() == "fresh"  # the same file system, again
+        assert len(devices_backing(image)) == 1
+        await one.release(ws_id)
+        assert ws_id in one.lingering
+    await until(lambda: ws_id not in one.lingering)  # gone with its holder: flock let go
+    assert devices_backing(image) == []
+    files = await two.attach(ws_id, "alpha")
+    assert (files / "a").read_text() == "fresh"
+    await two.release(ws_id)
+
+
+async def test_a_worker_starting_finds_a_file_system_an_earlier_one_left_alive(
+    base: Path,
+) -> None:
+    one = host(base, "w1")
+    ws_id = new_workspace_id()
+    image = base / "root" / ws_id / "disk.img"
+    await one.create(ws_id, "alpha", 16, AUTHOR)
+    files = await one.attach(ws_id, "alpha")
+    (files / "a").write_text("fresh")
+    with mount_table_copied(files):
+        await one.release(ws_id)
+        os.close(one.lingering.pop(ws_id).lock_fd)  # the worker died: the kernel lets go
+        again = host(base, "w1")
+        assert again.lingering[ws_id].lock_fd == -1  # found, with no flock of its own
+        files = await again.attach(ws_id, "alpha")
+        assert (files / "a").read_text() == "fresh"
+        assert len(devices_backing(image)) == 1
+        await again.release(ws_id)
+    await until(lambda: devices_backing(image) == [])
 
 
 async def test_a_lower_fence_stops_before_git(base: Path) -> None:
