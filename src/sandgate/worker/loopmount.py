@@ -57,6 +57,9 @@ _MOUNT_ATTR_NOATIME: Final = 0x10
 _AT_FDCWD: Final = -100
 _MOVE_MOUNT_F_EMPTY_PATH: Final = 0x4
 _BUSY_RETRIES: Final = 32  # another thread or process took the free device first
+# a loop device that backs nothing (ENXIO: unbound, or being detached since Linux 6.11), or
+# is no more (ENOENT, ENODEV)
+_GONE: Final = frozenset({errno.ENOENT, errno.ENXIO, errno.ENODEV})
 
 
 class _LoopInfo64(ctypes.Structure):
@@ -189,27 +192,26 @@ def backs(device: int, image: Path) -> bool:
 def _open_backing(device: int, image: os.stat_result) -> int:
     """An fd of loop device `device` if it is backed by the file `image` describes (held
     open, it cannot detach meanwhile), else -1."""
+    # read-only: the status needs no more, and a close after a write open would have udev
+    # probe the device
     try:
-        fd = os.open(f"/dev/loop{device}", os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return -1
+        fd = os.open(f"/dev/loop{device}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in _GONE:
+            return -1
+        raise WorkerError(f"cannot open loop device {device}: {exc.strerror}") from exc
     info = _LoopInfo64()
     try:
         fcntl.ioctl(fd, _LOOP_GET_STATUS64, info)
     except OSError as exc:
         os.close(fd)
-        if exc.errno == errno.ENXIO:  # backs nothing now
+        if exc.errno in _GONE:
             return -1
         raise WorkerError(f"cannot read loop device {device}: {exc.strerror}") from exc
     # the kernel's dev_t encoding (`new_encode_dev`), decoded to compare with the stat's
     major = (info.lo_device & 0xFFF00) >> 8
     minor = (info.lo_device & 0xFF) | ((info.lo_device >> 12) & 0xFFF00)
-    same = (major, minor, info.lo_inode) == (
-        os.major(image.st_dev),
-        os.minor(image.st_dev),
-        image.st_ino,
-    )
-    if not same:
+    if os.makedev(major, minor) != image.st_dev or info.lo_inode != image.st_ino:
         os.close(fd)
         return -1
     return fd

@@ -284,10 +284,12 @@ WORKER_OBJECT_STATE: Mapping[str, StateRow] = MappingProxyType(
             "the workspaces unmounted in the last moments, plus those a worker before this one "
             "left alive on the host (found at start)",
             "exact across hosts: the flock stays held until the file system is gone, so no "
-            "other worker mounts the image before its last changes are written",
+            "other worker mounts the image before its last changes are written (one found at "
+            "start whose flock another worker process here holds is guarded by that one)",
         ),
         "WorkspaceHost._watchers": StateRow(
-            "tasks that let a lingering workspace's flock go once its file system is gone",
+            "the task per lingering workspace that lets its flock go once its file system is "
+            "gone",
             "one per lingering workspace",
             "per-process by nature",
         ),

@@ -61,6 +61,7 @@ FAULT_PAUSE: Final = 3.0  # the pause-workspace-git fault's wait between two git
 LINGER_POLL: Final = (0.01, 1.0)  # first and longest wait between checks of a lingering mount
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass
@@ -76,7 +77,8 @@ class _Lingering:
     """An image unmounted here whose file system lives on, held by a copy of a mount table."""
 
     device: int  # its loop device: a mount meanwhile mounts that one again
-    lock_fd: int  # the flock, kept until the file system is gone (-1: found at start, none)
+    lock_fd: int  # the flock, kept until the file system is gone (-1: found at start while
+    # another worker process here held it)
 
 
 class WorkspaceHost:
@@ -97,8 +99,8 @@ class WorkspaceHost:
         self.mounted: dict[str, _Mounted] = {}
         # workspace id -> its file system that outlived its unmount here (module docstring)
         self.lingering: dict[str, _Lingering] = {}
-        # the tasks that let each lingering flock go once its file system is gone
-        self._watchers: set[asyncio.Task[None]] = set()
+        # workspace id -> the task that lets its lingering flock go once the file system is gone
+        self._watchers: dict[str, asyncio.Task[None]] = {}
         # workspace id -> the highest lock fence an operation on it arrived with
         self.fences: dict[str, int] = {}
         # workspace id -> serialises its mount, unmount and operations on this worker
@@ -120,7 +122,7 @@ class WorkspaceHost:
         for child in self.mounts_dir.iterdir():
             with contextlib.suppress(OSError):
                 child.rmdir()
-        self.lingering.update(_left_alive(self.root))
+        self.lingering.update(_left_alive(self.root))  # `watch_lingering` once the loop runs
         if disk_problem is not None:
             self.problem = f"no disk quotas on this host ({disk_problem})"
             return
@@ -131,6 +133,12 @@ class WorkspaceHost:
             self.problem = f"cannot use the workspace root {self.root}: {exc}"
         if self.problem is not None:
             log.warning("workspace.unavailable", extra={"reason": self.problem})
+
+    def watch_lingering(self) -> None:
+        """In the event loop, after `prepare`: let go of the flocks of the file systems found
+        alive at start once each is gone."""
+        for ws_id in list(self.lingering):
+            self._watch_lingering(ws_id)
 
     # -- lifecycle -----------------------------------------------------------------------
     async def create(self, ws_id: str, owner: str, quota_mb: int, author: Author) -> dict[str, Any]:
@@ -143,10 +151,7 @@ class WorkspaceHost:
                 if meta.get("owner") != owner:
                     raise ConflictError(f"workspace id {ws_id} is taken")
                 return await self._in_mounted(ws_id, owner, lambda git: git.head().to_json())
-            try:
-                return await asyncio.to_thread(self._make, ws_id, owner, quota_mb, author)
-            finally:
-                self._watch_lingering(ws_id)
+            return await self._to_end(ws_id, self._make, ws_id, owner, quota_mb, author)
 
     async def delete(self, ws_id: str, owner: str) -> bool:
         check_id(ws_id)
@@ -276,7 +281,13 @@ class WorkspaceHost:
             raise NotFoundError(f"workspace {ws_id} not found")
         held = self.mounted.get(ws_id)
         if held is None:
-            held = await asyncio.to_thread(self._mount, ws_id)
+            job = asyncio.ensure_future(asyncio.to_thread(self._mount, ws_id))
+            try:
+                held = await asyncio.shield(job)
+            except asyncio.CancelledError:  # the mount goes on: undone once it is made
+                with contextlib.suppress(BaseException):
+                    await self._to_end(ws_id, self._unmount, ws_id, await job)
+                raise
             self.mounted[ws_id] = held
         held.refs += 1
         return held.point / FILES
@@ -288,10 +299,21 @@ class WorkspaceHost:
         held.refs -= 1
         if held.refs <= 0:
             del self.mounted[ws_id]
-            try:
-                await asyncio.to_thread(self._unmount, ws_id, held)
-            finally:
-                self._watch_lingering(ws_id)
+            await self._to_end(ws_id, self._unmount, ws_id, held)
+
+    async def _to_end(self, ws_id: str, work: Callable[..., R], *args: Any) -> R:
+        """Run the blocking `work` in a thread to its end even when the caller is cancelled
+        meanwhile (a mount or unmount left half seen would leak, its flock with it), then
+        watch a file system it left lingering."""
+        job = asyncio.ensure_future(asyncio.to_thread(work, *args))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                await job
+            raise
+        finally:
+            self._watch_lingering(ws_id)
 
     def _mount(self, ws_id: str) -> _Mounted:
         """Blocking: mount the image (again through the loop device its file system lives
@@ -321,9 +343,9 @@ class WorkspaceHost:
         except BaseException:
             with contextlib.suppress(OSError):
                 point.rmdir()
-            if left is not None and left.lock_fd >= 0:
-                self.lingering[ws_id] = left  # still held by its file system, if alive
-            else:
+            if left is not None:
+                self.lingering[ws_id] = left  # its file system may still live
+            if left is None or fd != left.lock_fd:
                 os.close(fd)
             raise
         return _Mounted(point, fd, device)
@@ -338,7 +360,12 @@ class WorkspaceHost:
             with contextlib.suppress(OSError):
                 held.point.rmdir()
         finally:
-            if loopmount.backs(held.device, self._dir(ws_id) / IMAGE):
+            try:
+                alive = loopmount.backs(held.device, self._dir(ws_id) / IMAGE)
+            except WorkerError as exc:  # not known to be gone: kept, as if alive
+                log.warning("workspace.loop_unreadable", extra={"error": exc.message})
+                alive = True
+            if alive:
                 self.lingering[ws_id] = _Lingering(held.device, held.lock_fd)
                 log.warning(
                     "workspace.file_system_lingers",
@@ -348,24 +375,37 @@ class WorkspaceHost:
                 os.close(held.lock_fd)
 
     def _watch_lingering(self, ws_id: str) -> None:
+        """One task per workspace with a lingering flock, until it is let go."""
         left = self.lingering.get(ws_id)
         if left is None or left.lock_fd < 0:
             return
-        task = asyncio.get_running_loop().create_task(self._let_go_when_gone(ws_id, left))
-        self._watchers.add(task)
-        task.add_done_callback(self._watchers.discard)
+        running = self._watchers.get(ws_id)
+        if running is not None and not running.done():
+            return  # it watches whichever entry is there when it wakes
+        task = asyncio.get_running_loop().create_task(self._let_go_when_gone(ws_id))
+        self._watchers[ws_id] = task
+        task.add_done_callback(lambda done: self._forget_watcher(ws_id, done))
 
-    async def _let_go_when_gone(self, ws_id: str, left: _Lingering) -> None:
+    def _forget_watcher(self, ws_id: str, done: asyncio.Task[None]) -> None:
+        if self._watchers.get(ws_id) is done:
+            del self._watchers[ws_id]
+
+    async def _let_go_when_gone(self, ws_id: str) -> None:
         """Check the lingering file system now and then; once it is gone, let the flock go."""
         wait, longest = LINGER_POLL
         while True:
             await asyncio.sleep(wait)
             wait = min(wait * 2, longest)
             async with self._lock(ws_id):
-                if self.lingering.get(ws_id) is not left:
+                left = self.lingering.get(ws_id)
+                if left is None or left.lock_fd < 0:
                     return  # mounted again here (with its flock), or deleted
                 image = self._dir(ws_id) / IMAGE
-                if await asyncio.to_thread(loopmount.backs, left.device, image):
+                try:
+                    if await asyncio.to_thread(loopmount.backs, left.device, image):
+                        continue
+                except WorkerError as exc:
+                    log.warning("workspace.loop_unreadable", extra={"error": exc.message})
                     continue
                 del self.lingering[ws_id]
                 os.close(left.lock_fd)
@@ -408,17 +448,19 @@ class WorkspaceHost:
 
     def _remove(self, ws_id: str) -> None:
         where = self._dir(ws_id)
-        left = self.lingering.pop(ws_id, None)
-        if left is not None and left.lock_fd >= 0:  # it goes on into a removed image
-            os.close(left.lock_fd)
-        fd = -1
-        with contextlib.suppress(FileNotFoundError):
-            fd = os.open(where / LOCK, os.O_RDWR | os.O_CLOEXEC)
+        left = self.lingering.pop(ws_id, None)  # a lingering one goes on into a removed image
+        held = left is not None and left.lock_fd >= 0  # its flock, kept: no gap to take it
+        fd = left.lock_fd if left is not None and held else -1
+        if not held:
+            with contextlib.suppress(FileNotFoundError):
+                fd = os.open(where / LOCK, os.O_RDWR | os.O_CLOEXEC)
         try:
-            if fd >= 0:
+            if fd >= 0 and not held:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
+                    if left is not None:
+                        self.lingering[ws_id] = left
                     raise ConflictError(
                         f"workspace {ws_id} is mounted by another worker; delete its sandboxes "
                         "there first",
@@ -442,15 +484,28 @@ def _lock_lost(ws_id: str) -> ConflictError:
 def _left_alive(root: Path) -> dict[str, _Lingering]:
     """The workspace images under `root` that a loop device still backs (a file system left
     alive by an earlier worker here, or mounted by another one on this host now): where a
-    mount here must mount it again."""
+    mount here must mount it again. Each with its flock taken when free (kept until the file
+    system is gone, as after an unmount here); else the worker holding it guards it."""
     found: dict[str, _Lingering] = {}
     root = root.resolve()  # as the kernel names the backing file
     for entry in Path("/sys/block").glob("loop*/loop/backing_file"):
         with contextlib.suppress(OSError, ValueError):
             image = Path(entry.read_text().strip())
             if image.name == IMAGE and image.parent.parent == root:
-                found[image.parent.name] = _Lingering(int(entry.parent.parent.name[4:]), -1)
+                device = int(entry.parent.parent.name[4:])
+                found[image.parent.name] = _Lingering(device, _try_flock(image.parent / LOCK))
     return found
+
+
+def _try_flock(lock: Path) -> int:
+    """An fd holding the flock on `lock`, or -1 when another holds it."""
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return -1
+    return fd
 
 
 def _probe_idmap(work: Path, uid: int) -> str | None:

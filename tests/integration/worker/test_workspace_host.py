@@ -109,7 +109,7 @@ def devices_backing(image: Path) -> list[str]:
     return [
         entry.parent.parent.name
         for entry in Path("/sys/block").glob("loop*/loop/backing_file")
-        if entry.read_text().strip() == str(image)
+        if entry.read_text().strip() == os.path.realpath(image)
     ]
 
 
@@ -193,12 +193,38 @@ async def test_a_worker_starting_finds_a_file_system_an_earlier_one_left_alive(
         await one.release(ws_id)
         os.close(one.lingering.pop(ws_id).lock_fd)  # the worker died: the kernel lets go
         again = host(base, "w1")
-        assert again.lingering[ws_id].lock_fd == -1  # found, with no flock of its own
+        assert again.lingering[ws_id].lock_fd >= 0  # found, its flock taken again
+        again.watch_lingering()
+        with pytest.raises(ConflictError):  # so no other worker mounts it meanwhile
+            await host(base, "w2").attach(ws_id, "alpha")
         files = await again.attach(ws_id, "alpha")
         assert (files / "a").read_text() == "fresh"
         assert len(devices_backing(image)) == 1
         await again.release(ws_id)
-    await until(lambda: devices_backing(image) == [])
+    await until(lambda: ws_id not in again.lingering)
+    assert devices_backing(image) == []
+
+
+async def test_a_cancelled_release_still_lets_the_flock_go_once_the_file_system_is_gone(
+    base: Path,
+) -> None:
+    """A release cancelled while its unmount ran in a thread once left its lingering flock
+    with nothing to let it go: no other worker could mount the workspace again."""
+    one = host(base, "w1")
+    ws_id = new_workspace_id()
+    await one.create(ws_id, "alpha", 16, AUTHOR)
+    files = await one.attach(ws_id, "alpha")
+    with mount_table_copied(files):
+        release = asyncio.ensure_future(one.release(ws_id))
+        await asyncio.sleep(0.001)  # its unmount under way in a thread
+        release.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await release
+        assert ws_id in one.lingering
+    await until(lambda: ws_id not in one.lingering)
+    two = host(base, "w2")
+    await two.attach(ws_id, "alpha")
+    await two.release(ws_id)
 
 
 async def test_a_lower_fence_stops_before_git(base: Path) -> None:

@@ -338,6 +338,7 @@ class BwrapRuntime:
         self._disk_problem = await bwrap_host.probe_disk(self.state_dir, self.worker_name)
         if self.workspaces is not None:
             await asyncio.to_thread(self.workspaces.prepare, disk_problem=self._disk_problem)
+            self.workspaces.watch_lingering()
         self._file_limits = bwrap_host.file_limits()
         self._prepare_file_threads()
         if self._spawner is None:
