@@ -9,10 +9,12 @@ remove their mount points, and every one keeps a loop device attached.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from sandgate.worker import disk
@@ -20,6 +22,18 @@ from sandgate.worker.main import runtime_scope
 from sandgate.worker.netns import NetHost
 
 TEST_ROOTS = ("/var/lib/sandgate-test*", "/var/lib/sandgate-up*")
+
+
+@contextlib.contextmanager
+def held_as_live(path: Path) -> Iterator[None]:
+    """Hold `path/worker.lock` as a running worker holds its state dir's, so that another
+    session's end leaves the mounts below `path` alone (`unmount_test_leftovers`)."""
+    fd = os.open(path / "worker.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def remove_state(path: Path) -> None:

@@ -16,6 +16,7 @@ import pytest
 from sandgate.worker import cgroups
 from sandgate.worker.main import install_agent
 from sandgate.worker.runtime.bwrap import BwrapRuntime
+from tests.statedirs import held_as_live
 
 UID_BASE = 281000  # away from the default range of a real worker on this host
 UID_COUNT = 500
@@ -56,7 +57,8 @@ def env() -> Iterator[Env]:
         os.chmod(f, 0o644)
     e = Env(root, agent_dir, root / "uids", f"t-{secrets.token_hex(3)}", [])
     try:
-        yield e
+        with held_as_live(root):
+            yield e
     finally:
         host = cgroups.CgroupHost.detect()
         for w in {e.worker, *e.workers}:
@@ -99,7 +101,8 @@ def runtime() -> Iterator[BwrapRuntime]:
         uid_lock_dir=root / "uids",
     )
     try:
-        yield rt
+        with held_as_live(root):
+            yield rt
     finally:
         host = cgroups.CgroupHost.detect()
         asyncio.run(cgroups.cleanup_worker(host, worker))

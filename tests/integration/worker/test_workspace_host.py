@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import os
 import shutil
 import subprocess
@@ -21,6 +20,7 @@ from sandgate.errors import ConflictError, NotFoundError
 from sandgate.worker import cgroups, disk, git_history, idmap
 from sandgate.worker.git_history import Author, GitHistory
 from sandgate.worker.workspaces import STORAGE_UID, WorkspaceHost
+from tests.statedirs import held_as_live
 
 pytestmark = pytest.mark.anyio
 
@@ -38,15 +38,11 @@ def base() -> Iterator[Path]:
         pytest.skip("workspaces need root and e2fsprogs")
     where = Path("/var/lib/sandgate-test") / f"wshost-{os.getpid()}-{new_workspace_id()[3:11]}"
     where.mkdir(parents=True)
-    # held as a running worker holds its state dir's: another session's cleanup of the test
-    # roots leaves these mounts alone (tests/statedirs.py)
-    lock = os.open(where / "worker.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    fcntl.flock(lock, fcntl.LOCK_EX)
     try:
-        yield where
+        with held_as_live(where):
+            yield where
     finally:
         disk.unmount_leftovers(where)
-        os.close(lock)
         shutil.rmtree(where, ignore_errors=True)
 
 
