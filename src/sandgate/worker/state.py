@@ -288,8 +288,7 @@ WORKER_OBJECT_STATE: Mapping[str, StateRow] = MappingProxyType(
             "start whose flock another worker process here holds is guarded by that one)",
         ),
         "WorkspaceHost._watchers": StateRow(
-            "the task per lingering workspace that lets its flock go once its file system is "
-            "gone",
+            "the task per lingering workspace that lets its flock go once its file system is gone",
             "one per lingering workspace",
             "per-process by nature",
         ),

@@ -251,13 +251,7 @@ class WorkspaceHost:
                 async with self._git_slots:
                     return await asyncio.to_thread(work, git)
 
-            running = asyncio.ensure_future(bounded())
-            try:
-                return await asyncio.shield(running)
-            except asyncio.CancelledError:
-                with contextlib.suppress(BaseException):
-                    await running
-                raise
+            return await _to_completion(asyncio.ensure_future(bounded()))
         finally:
             await self._release(ws_id)
 
@@ -305,13 +299,8 @@ class WorkspaceHost:
         """Run the blocking `work` in a thread to its end even when the caller is cancelled
         meanwhile (a mount or unmount left half seen would leak, its flock with it), then
         watch a file system it left lingering."""
-        job = asyncio.ensure_future(asyncio.to_thread(work, *args))
         try:
-            return await asyncio.shield(job)
-        except asyncio.CancelledError:
-            with contextlib.suppress(BaseException):
-                await job
-            raise
+            return await _to_completion(asyncio.ensure_future(asyncio.to_thread(work, *args)))
         finally:
             self._watch_lingering(ws_id)
 
@@ -322,18 +311,14 @@ class WorkspaceHost:
         if left is not None and left.lock_fd >= 0:
             fd = left.lock_fd
         else:
-            fd = os.open(self._dir(ws_id) / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                if left is not None:
-                    self.lingering[ws_id] = left
+            fd = _try_flock(self._dir(ws_id) / LOCK)
+            if fd < 0:
+                self._put_back(ws_id, left)
                 raise ConflictError(
                     f"workspace {ws_id} is mounted by another worker; retry once its sandboxes "
                     "there are gone",
                     code="workspace_busy",
-                ) from None
+                )
         point = self.mounts_dir / ws_id
         try:
             point.mkdir(mode=0o711, exist_ok=True)
@@ -343,12 +328,16 @@ class WorkspaceHost:
         except BaseException:
             with contextlib.suppress(OSError):
                 point.rmdir()
-            if left is not None:
-                self.lingering[ws_id] = left  # its file system may still live
+            self._put_back(ws_id, left)  # its file system may still live
             if left is None or fd != left.lock_fd:
                 os.close(fd)
             raise
         return _Mounted(point, fd, device)
+
+    def _put_back(self, ws_id: str, left: _Lingering | None) -> None:
+        """A lingering entry taken out for a mount or removal that did not happen."""
+        if left is not None:
+            self.lingering[ws_id] = left
 
     def _unmount(self, ws_id: str, held: _Mounted) -> None:
         """Blocking: unmount; the flock goes with the file system, or is kept (`lingering`)
@@ -459,8 +448,7 @@ class WorkspaceHost:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    if left is not None:
-                        self.lingering[ws_id] = left
+                    self._put_back(ws_id, left)
                     raise ConflictError(
                         f"workspace {ws_id} is mounted by another worker; delete its sandboxes "
                         "there first",
@@ -471,6 +459,17 @@ class WorkspaceHost:
         finally:
             if fd >= 0:
                 os.close(fd)
+
+
+async def _to_completion(job: asyncio.Future[T]) -> T:
+    """Await `job`; when the caller is cancelled meanwhile, wait for it to end all the same
+    (its outcome dropped), then raise the cancellation."""
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        with contextlib.suppress(BaseException):
+            await job
+        raise
 
 
 def _lock_lost(ws_id: str) -> ConflictError:
