@@ -21,13 +21,13 @@ if TYPE_CHECKING:
     import subprocess
 
     from sandgate.agent import entries, paths, pump
-    from sandgate.agent.request import AgentError, Header, str_field
+    from sandgate.agent.request import AgentError, Header, at_pids_limit, str_field
     from sandgate.agent.state import AgentState
 else:
     import entries
     import paths
     import pump
-    from request import AgentError, str_field
+    from request import AgentError, at_pids_limit, str_field
 
 EXEC_OUTPUT_CAP = 1 << 20  # bytes kept of each of stdout and stderr
 EXEC_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -161,16 +161,19 @@ def _spawn(
             raise AgentError("io_error", "the agent is shutting down")
         _prune_groups(st)
         with st.reaper.spawning():  # the reaper (orphans.py) never waits for ours
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=cwd,
-                env=env,
-                start_new_session=True,
-                pass_fds=pass_fds,
-            )
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    cwd=cwd,
+                    env=env,
+                    start_new_session=True,
+                    pass_fds=pass_fds,
+                )
+            except BlockingIOError:  # the fork refused: the sandbox's pids limit
+                raise at_pids_limit() from None
             st.reaper.own(proc.pid)
         st.groups.add(proc.pid)
     return proc

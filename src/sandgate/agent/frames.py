@@ -95,8 +95,13 @@ def read_frame(stream: BinaryIO) -> tuple[Header, bytes] | None:
     return parse_header(body[:hlen]), body[hlen:]
 
 
-def error_header(request_id: int | None, code: str, message: str) -> Header:
-    return {"id": request_id, "ok": False, "error": {"code": code, "message": message}}
+def error_header(
+    request_id: int | None, code: str, message: str, details: Header | None = None
+) -> Header:
+    error: Header = {"code": code, "message": message}
+    if details:
+        error["details"] = details
+    return {"id": request_id, "ok": False, "error": error}
 
 
 def _read_exact(stream: BinaryIO, size: int) -> bytes | None:

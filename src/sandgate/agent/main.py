@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
     from sandgate.agent import execute, files, frames, paths, ports, procs, watch
     from sandgate.agent.log import log
-    from sandgate.agent.request import AgentError, Header
+    from sandgate.agent.request import AgentError, Header, at_pids_limit
     from sandgate.agent.state import AgentState
 else:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +51,7 @@ else:
     import frames
     import paths
     from log import log
-    from request import AgentError
+    from request import AgentError, at_pids_limit
     from state import AgentState
 
 PROTOCOL_VERSION = 1
@@ -223,7 +223,7 @@ def _serve(st: AgentState, request_id: int, req: Header, payload: bytes) -> None
         fields, body = handler(st, req, payload)
         header: Header = {"id": request_id, "ok": True, **fields}
     except AgentError as exc:
-        header = frames.error_header(request_id, exc.code, exc.message)
+        header = frames.error_header(request_id, exc.code, exc.message, exc.details)
     except OSError as exc:
         error = paths.os_error(st.roots, exc)
         header = frames.error_header(request_id, error.code, error.message)
@@ -255,7 +255,8 @@ def _dispatch(st: AgentState, request_id: int, req: Header, payload: bytes) -> N
     field = "handle" if op in _HANDLE_OPS else "pid" if op in _PID_OPS else None
     value = req.get(field) if field is not None else None
     if field is None or not isinstance(value, int) or isinstance(value, bool):
-        st.threads.run(_serve, st, request_id, req, payload)
+        if not st.threads.run(_serve, st, request_id, req, payload):
+            _refuse_at_limit(st, request_id)
         return
     key = (field, value)
     with st.queues_lock:
@@ -264,7 +265,26 @@ def _dispatch(st: AgentState, request_id: int, req: Header, payload: bytes) -> N
             queue.append((request_id, req, payload))
             return
         st.queues[key] = [(request_id, req, payload)]
-    st.threads.run(_drain, st, key)
+    if not st.threads.run(_drain, st, key):
+        with st.queues_lock:
+            refused = st.queues.pop(key, [])
+        for queued_id, _, _ in refused:
+            _refuse_at_limit(st, queued_id)
+
+
+def _refuse_at_limit(st: AgentState, request_id: int) -> None:
+    """No thread could serve the request (the sandbox's processes hold its pids limit):
+    answered at once from the reading thread, which never waits on one."""
+    exc = at_pids_limit()
+    header = frames.error_header(request_id, exc.code, exc.message, exc.details)
+    _write_frame(st, frames.encode(header))
+
+
+def _run_or_inline(st: AgentState, call: Callable[[], None]) -> None:
+    """On a thread of its own, or here when none can start: the orphans' scan is what
+    frees the pids (its zombies hold them until reaped)."""
+    if not st.threads.run(call):
+        call()
 
 
 def _drain(st: AgentState, key: tuple[str, int]) -> None:
@@ -349,7 +369,7 @@ def _wait_for_request(st: AgentState, poller: select.poll) -> None:
     while True:
         ready = dict(poller.poll())
         if st.reaper.wake_fd in ready:
-            st.reaper.woken(st.threads.run)
+            st.reaper.woken(partial(_run_or_inline, st))
         if 0 in ready:
             return
 

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     )
     from sandgate.agent.log import log
     from sandgate.agent.orphans import Reaper
-    from sandgate.agent.request import AgentError, Header
+    from sandgate.agent.request import AgentError, Header, at_pids_limit
 else:
     import pump
     from children import (
@@ -74,7 +74,7 @@ else:
     )
     from log import log
     from orphans import Reaper
-    from request import AgentError
+    from request import AgentError, at_pids_limit
 
 MAX_PROCESSES = 256  # processes and terminals remembered per agent
 MAX_WAIT = 30.0  # seconds a read may wait for output
@@ -337,15 +337,18 @@ class Registry:
                 in_r, in_w, out_r, out_w, err_r, err_w = pipes
                 started = time.monotonic()
                 with self._reaper.spawning():  # never waited for by the reaper (orphans.py)
-                    child = subprocess.Popen(
-                        argv,
-                        stdin=in_r,
-                        stdout=out_w,
-                        stderr=err_w,
-                        cwd=cwd,
-                        env=env,
-                        start_new_session=True,
-                    )
+                    try:
+                        child = subprocess.Popen(
+                            argv,
+                            stdin=in_r,
+                            stdout=out_w,
+                            stderr=err_w,
+                            cwd=cwd,
+                            env=env,
+                            start_new_session=True,
+                        )
+                    except BlockingIOError:  # the fork refused: the sandbox's pids limit
+                        raise at_pids_limit() from None
                     self._reaper.own(child.pid)
             except BaseException:
                 for fd in pipes:

@@ -13,12 +13,28 @@ else:
 
 
 class AgentError(Exception):
-    """A request failed with one of the protocol's error codes."""
+    """A request failed with one of the protocol's error codes (`details`: the fields its
+    error class takes, errors.py)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, details: Header | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.details = details
+
+
+AT_LIMIT_RETRY_S = 1.0  # the retry a request refused at the sandbox's pids limit is told
+
+
+def at_pids_limit() -> AgentError:
+    """A process or thread the sandbox could not start: its processes and threads hold its
+    whole pids limit (a fork or clone refused with EAGAIN)."""
+    return AgentError(
+        "limit_exceeded",
+        "the sandbox is at its limit of processes and threads (resources.pids): retry once "
+        "some of its processes end, or create it with a higher limit",
+        {"limit": "pids", "retry_after": AT_LIMIT_RETRY_S},
+    )
 
 
 def str_field(req: Header, name: str, default: str | None = None) -> str:

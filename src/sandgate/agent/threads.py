@@ -46,15 +46,21 @@ class Threads:
         # its heaps' free memory back then); it must not raise
         self.on_idle: Callable[[], object] | None = None
 
-    def run(self, call: Callable[..., None], *args: object) -> None:
-        """Start ``call(*args)`` now. It must not raise: what it raises ends its thread."""
+    def run(self, call: Callable[..., None], *args: object) -> bool:
+        """Start ``call(*args)`` now. It must not raise: what it raises ends its thread.
+        False when no thread was idle and none could be started (a thread is a task: the
+        sandbox's processes hold its whole pids limit): the call did not run."""
         with self._ready:
             if self._idle > len(self._calls):
                 self._calls.append((call, args))
                 self._ready.notify()
-                return
+                return True
         # handed over in a list the thread empties: a Thread keeps its args while it runs
-        threading.Thread(target=self._serve, args=([(call, args)],), daemon=True).start()
+        try:
+            threading.Thread(target=self._serve, args=([(call, args)],), daemon=True).start()
+        except RuntimeError:  # "can't start new thread": clone refused (EAGAIN)
+            return False
+        return True
 
     @property
     def idle(self) -> int:

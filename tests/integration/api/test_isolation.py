@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -181,6 +183,61 @@ def test_pids_limit(alpha: httpx.Client) -> None:
         started, refused = map(int, out["stdout"].split())
         assert started < 32, out
         assert refused > 0, out
+    finally:
+        alpha.delete(f"/api/v1/sandboxes/{name}")
+
+
+def test_a_sandbox_at_its_process_limit_keeps_its_agent(alpha: httpx.Client) -> None:
+    """Requests that found no idle agent thread while the sandbox's processes filled its
+    pids limit once ended the agent (a thread is a task too: it could not start one) and
+    the sandbox with it. Now they are refused (429, the limit named) until some processes
+    end, and the sandbox serves again after."""
+    workers = alpha.get("/api/v1/workers").json()["workers"]
+    if not next(w for w in workers if w["name"] == "w1")["features"].get("limits", {}).get("pids"):
+        pytest.skip("the worker does not enforce pid limits on this host")
+    name = alpha.post("/api/v1/sandboxes", json={"resources": {"pids": 32}}).json()["name"]
+    try:
+        # children that outlive their parent: the agent's orphans, holding every pid for 4 s
+        filled = run(
+            alpha,
+            name,
+            "import os, time\n"
+            "made = 0\n"
+            "for i in range(100):\n"
+            "    try:\n"
+            "        pid = os.fork()\n"
+            "    except BlockingIOError:\n"
+            "        break\n"
+            "    if pid == 0:\n"
+            "        time.sleep(4)\n"
+            "        os._exit(0)\n"
+            "    made += 1\n"
+            "print(made)\n",
+            language="python",
+        )
+        assert 0 < int(filled["stdout"]) < 32, filled
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(
+                pool.map(
+                    lambda _: alpha.post(
+                        f"/api/v1/sandboxes/{name}/execute", json={"code": "echo ok"}
+                    ),
+                    range(6),
+                )
+            )
+        refused = [a for a in answers if a.status_code == 429]
+        assert refused and all(a.status_code in (200, 429) for a in answers), [
+            (a.status_code, a.text) for a in answers
+        ]
+        assert refused[0].json()["error"]["limit"] == "pids" and refused[0].headers["Retry-After"]
+        deadline = time.monotonic() + 20
+        while True:  # the orphans end and are reaped: the sandbox serves again
+            again = alpha.post(f"/api/v1/sandboxes/{name}/execute", json={"code": "echo ok"})
+            if again.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert again.status_code == 200 and again.json()["stdout"] == "ok\n", again.text
+        assert alpha.get(f"/api/v1/sandboxes/{name}").json()["state"] == "running"
     finally:
         alpha.delete(f"/api/v1/sandboxes/{name}")
 
