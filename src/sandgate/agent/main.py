@@ -144,15 +144,17 @@ def _submit_port(st: AgentState, request_id: int, op: str, req: Header, payload:
     try:
         _ports(st).submit(request_id, op, req, payload)
     except AgentError as exc:
-        _fail(st, request_id, exc.code, exc.message)
+        _fail(st, request_id, exc.code, exc.message, exc.details)
 
 
 def _answer(st: AgentState, request_id: int, fields: Header, body: bytes) -> None:
     _write_frame(st, frames.encode({"id": request_id, "ok": True, **fields}, body))
 
 
-def _fail(st: AgentState, request_id: int, code: str, message: str) -> None:
-    _write_frame(st, frames.encode(frames.error_header(request_id, code, message)))
+def _fail(
+    st: AgentState, request_id: int, code: str, message: str, details: Header | None = None
+) -> None:
+    _write_frame(st, frames.encode(frames.error_header(request_id, code, message, details)))
 
 
 def op_ping(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
@@ -276,8 +278,7 @@ def _refuse_at_limit(st: AgentState, request_id: int) -> None:
     """No thread could serve the request (the sandbox's processes hold its pids limit):
     answered at once from the reading thread, which never waits on one."""
     exc = at_pids_limit()
-    header = frames.error_header(request_id, exc.code, exc.message, exc.details)
-    _write_frame(st, frames.encode(header))
+    _fail(st, request_id, exc.code, exc.message, exc.details)
 
 
 def _run_or_inline(st: AgentState, call: Callable[[], None]) -> None:

@@ -44,10 +44,10 @@ if TYPE_CHECKING:
     from typing import Any
 
     from sandgate.agent.log import log
-    from sandgate.agent.request import AgentError, Header
+    from sandgate.agent.request import AgentError, Header, at_pids_limit
 else:
     from log import log
-    from request import AgentError
+    from request import AgentError, at_pids_limit
 
 OPS = ("port_open", "port_write", "port_read", "port_shutdown", "port_close")
 MAX_CONNECTIONS = 256  # open connections per agent (per sandbox)
@@ -198,10 +198,14 @@ class Ports:
         with self._lock:
             if self._closing:
                 raise AgentError("io_error", "the agent is shutting down")
-            self._inbox.append((rid, op, fields, payload))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ports", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="ports", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:  # no thread: the sandbox's pids limit is reached
+                    raise at_pids_limit() from None
+                self._thread = thread
+            self._inbox.append((rid, op, fields, payload))
         self._wake()
 
     def shutdown(self) -> None:
