@@ -280,6 +280,9 @@ def fork_terminal(slave: int, argv: list[str], env: dict[str, str], cwd: str, gu
             if pid == 0:
                 _become(slave, argv, env, cwd, error_w)
             guard.own(pid)
+    except BaseException:  # the fork refused (BlockingIOError: the sandbox's pids limit)
+        os.close(error_r)
+        raise
     finally:
         os.close(error_w)
     try:

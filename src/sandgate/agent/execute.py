@@ -131,7 +131,11 @@ def op_exec(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]
     read_end, write_end = os.pipe()
     feeder = threading.Thread(target=_feed, args=(write_end, code.encode()), daemon=True)
     try:
-        feeder.start()
+        try:
+            feeder.start()
+        except RuntimeError:  # no thread: the sandbox's pids limit
+            os.close(write_end)
+            raise at_pids_limit() from None
         argv = [program, f"/dev/fd/{read_end}"]
         return _run(st, argv, cwd, env, timeout, pass_fds=(read_end,))
     finally:

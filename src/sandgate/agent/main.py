@@ -60,6 +60,7 @@ PROTOCOL_VERSION = 1
 HEAP_BUFFER_BYTES = 4 << 20
 HEAP_KEPT_BYTES = 4 << 20
 HEAPS = 2
+OWED_SCAN_RETRY_MS = 20  # a scan owed by the reading thread waits this long for a spawn's end
 
 
 # --------------------------------------------------------------------------- procs
@@ -145,6 +146,9 @@ def _submit_port(st: AgentState, request_id: int, op: str, req: Header, payload:
         _ports(st).submit(request_id, op, req, payload)
     except AgentError as exc:
         _fail(st, request_id, exc.code, exc.message, exc.details)
+    except OSError as exc:  # the loop's pipe or selector: no descriptor left
+        error = paths.os_error(st.roots, exc)
+        _fail(st, request_id, error.code, error.message)
 
 
 def _answer(st: AgentState, request_id: int, fields: Header, body: bytes) -> None:
@@ -281,13 +285,6 @@ def _refuse_at_limit(st: AgentState, request_id: int) -> None:
     _fail(st, request_id, exc.code, exc.message, exc.details)
 
 
-def _run_or_inline(st: AgentState, call: Callable[[], None]) -> None:
-    """On a thread of its own, or here when none can start: the orphans' scan is what
-    frees the pids (its zombies hold them until reaped)."""
-    if not st.threads.run(call):
-        call()
-
-
 def _drain(st: AgentState, key: tuple[str, int]) -> None:
     while True:
         with st.queues_lock:
@@ -366,11 +363,15 @@ def _tune_malloc(st: AgentState) -> None:
 
 def _wait_for_request(st: AgentState, poller: select.poll) -> None:
     """Until the request pipe has bytes (or its end): a SIGCHLD meanwhile has a thread scan
-    for orphans (orphans.py). `poller` watches both (`_request_poller`)."""
+    for orphans (orphans.py), or this one when none can start (the zombies hold the pids a
+    thread would need), as soon as no spawn is under way. `poller` watches both
+    (`_request_poller`)."""
     while True:
-        ready = dict(poller.poll())
+        ready = dict(poller.poll(OWED_SCAN_RETRY_MS if st.reaper.owed else None))
         if st.reaper.wake_fd in ready:
-            st.reaper.woken(partial(_run_or_inline, st))
+            st.reaper.woken(st.threads.run)
+        if st.reaper.owed:
+            st.reaper.reap_if_free()
         if 0 in ready:
             return
 

@@ -63,7 +63,16 @@ def start_time(pid: int) -> bytes | None:
 class Reaper:
     """The spawn guard and, for a pid 1, the reaper of orphaned zombies (module docstring)."""
 
-    __slots__ = ("_cond", "_owned", "_pid", "_reaping", "_scan_due", "_spawning", "wake_fd")
+    __slots__ = (
+        "_cond",
+        "_owned",
+        "_pid",
+        "_reaping",
+        "_scan_due",
+        "_spawning",
+        "owed",
+        "wake_fd",
+    )
 
     def __init__(self, pid: int) -> None:
         self._pid = pid  # whose orphans: the agent's own pid (1 in its sandbox)
@@ -74,6 +83,9 @@ class Reaper:
         # forgotten by the first scan that no longer finds it in /proc
         self._owned: dict[int, bytes | None] = {}
         self._scan_due = False  # a scan is handed to a thread and has not begun
+        # a scan no thread could take (the sandbox's pids limit, which its zombies hold):
+        # the reading thread owes it (`reap_if_free`)
+        self.owed = False
         self.wake_fd = -1  # readable when a SIGCHLD came (`start`); -1: not reaping
 
     # ------------------------------------------------------------------ the guard
@@ -155,9 +167,10 @@ class Reaper:
         self.wake_fd = woken
         return True
 
-    def woken(self, run: Callable[[Callable[[], None]], None]) -> None:
+    def woken(self, run: Callable[[Callable[[], None]], bool]) -> None:
         """`wake_fd` is readable: empty it and hand a scan to `run` (a thread of the
-        agent's), unless one is due already; a signal after the scan begins asks for another."""
+        agent's), unless one is due already; a signal after the scan begins asks for another.
+        When `run` could start no thread, the scan is `owed`."""
         try:
             while os.read(self.wake_fd, 512):
                 pass
@@ -167,7 +180,26 @@ class Reaper:
             if self._scan_due:
                 return
             self._scan_due = True
-        run(self._scan_later)
+        if not run(self._scan_later):
+            self.owed = True
+
+    def reap_if_free(self) -> bool:
+        """The owed scan, now, unless a spawn is under way (never waits: for the reading
+        thread, which a spawn's request may wait on); False when it is still owed."""
+        with self._cond:
+            if self._spawning or self._reaping:
+                return False
+            self._reaping = True
+            self._scan_due = self.owed = False  # a signal from now on asks for another
+        try:
+            self._reap_alone()
+        except Exception as exc:  # never the agent's end: the next SIGCHLD tries again
+            log(f"reaper: {exc!r}")
+        finally:
+            with self._cond:
+                self._reaping = False
+                self._cond.notify_all()
+        return True
 
     def _scan_later(self) -> None:
         time.sleep(SETTLE)

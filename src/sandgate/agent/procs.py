@@ -291,13 +291,15 @@ class Registry:
             threading.Thread(
                 target=self._pump, args=(entry, read_fds), name=f"pump-{entry.pid}", daemon=True
             ).start()
-        except BaseException:
+        except BaseException as exc:
             del self._entries[entry.pid]
             killpg(entry.pid, signal.SIGKILL)
             close_all(fd for fd in read_fds if fd != entry.write_fd)
             with entry.wlock:
                 close_write_fd(entry)
             entry.wait()
+            if isinstance(exc, RuntimeError):  # no thread for its pump: the pids limit
+                raise at_pids_limit() from None
             raise
 
     # ----------------------------------------------------------------------- processes
@@ -543,8 +545,10 @@ class Registry:
             try:
                 fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
                 pid = fork_terminal(slave, argv, env, cwd, self._reaper)
-            except BaseException:
+            except BaseException as exc:
                 os.close(master)
+                if isinstance(exc, BlockingIOError):  # the fork refused: the pids limit
+                    raise at_pids_limit() from None
                 raise
             finally:
                 os.close(slave)

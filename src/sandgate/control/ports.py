@@ -118,6 +118,8 @@ class PortService:
                 tenant, name, "port_open", fields, first, seconds=seconds
             )
         except LimitExceededError as exc:
+            if exc.limit:  # the agent named it (`pids`: no thread for the port loop)
+                raise
             raise LimitExceededError(
                 exc.message, limit="port_connections", retry_after=1.0
             ) from None
