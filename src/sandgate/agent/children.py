@@ -16,12 +16,13 @@ import time
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
+    import subprocess
     from collections.abc import Iterable
     from typing import Protocol
 
     from sandgate.agent.orphans import Reaper
     from sandgate.agent.output import Output
-    from sandgate.agent.request import Header
+    from sandgate.agent.request import Header, at_pids_limit
 
     class Child(Protocol):
         """What the pump needs of a child: subprocess.Popen or a forked terminal (Forked)."""
@@ -32,9 +33,21 @@ if TYPE_CHECKING:
         def poll(self) -> int | None: ...
 else:
     from output import Output
+    from request import at_pids_limit
 
 TIMEOUT_EXIT_CODE = 124
 SPAWN_TIMEOUT = 10.0  # seconds a forked terminal child may take to exec
+
+
+def popen(argv: list[str], **options: object) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(argv, start_new_session=True, **options)``; a fork refused (the
+    sandbox's pids limit) is that limit's error, not an io_error."""
+    import subprocess
+
+    try:
+        return subprocess.Popen(argv, start_new_session=True, **options)  # type: ignore[call-overload, no-any-return]
+    except BlockingIOError:
+        raise at_pids_limit() from None
 
 
 class Forked:

@@ -160,24 +160,25 @@ def _spawn(
 ) -> subprocess.Popen[bytes]:
     import subprocess
 
+    if TYPE_CHECKING:
+        from sandgate.agent.children import popen
+    else:  # on the first exec, not at the agent's start
+        from children import popen
+
     with st.groups_lock:  # so that shutdown never misses a group being started
         if st.closing:
             raise AgentError("io_error", "the agent is shutting down")
         _prune_groups(st)
         with st.reaper.spawning():  # the reaper (orphans.py) never waits for ours
-            try:
-                proc = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    cwd=cwd,
-                    env=env,
-                    start_new_session=True,
-                    pass_fds=pass_fds,
-                )
-            except BlockingIOError:  # the fork refused: the sandbox's pids limit
-                raise at_pids_limit() from None
+            proc = popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=cwd,
+                env=env,
+                pass_fds=pass_fds,
+            )
             st.reaper.own(proc.pid)
         st.groups.add(proc.pid)
     return proc

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
         fork_terminal,
         group_exists,
         killpg,
+        popen,
         session_groups,
     )
     from sandgate.agent.log import log
@@ -70,6 +71,7 @@ else:
         fork_terminal,
         group_exists,
         killpg,
+        popen,
         session_groups,
     )
     from log import log
@@ -305,7 +307,6 @@ class Registry:
     # ----------------------------------------------------------------------- processes
 
     def _proc_start(self, req: Header, payload: bytes) -> tuple[Header, bytes]:
-        import subprocess
 
         given = self._argv(req)
         program = req.get("program")
@@ -339,18 +340,7 @@ class Registry:
                 in_r, in_w, out_r, out_w, err_r, err_w = pipes
                 started = time.monotonic()
                 with self._reaper.spawning():  # never waited for by the reaper (orphans.py)
-                    try:
-                        child = subprocess.Popen(
-                            argv,
-                            stdin=in_r,
-                            stdout=out_w,
-                            stderr=err_w,
-                            cwd=cwd,
-                            env=env,
-                            start_new_session=True,
-                        )
-                    except BlockingIOError:  # the fork refused: the sandbox's pids limit
-                        raise at_pids_limit() from None
+                    child = popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, cwd=cwd, env=env)
                     self._reaper.own(child.pid)
             except BaseException:
                 for fd in pipes:

@@ -153,10 +153,14 @@ def test_memory_limit(alpha: httpx.Client, deployment: Deployment) -> None:
         alpha.delete(f"/api/v1/sandboxes/{name}")
 
 
-def test_pids_limit(alpha: httpx.Client) -> None:
-    workers = alpha.get("/api/v1/workers").json()["workers"]
+def skip_without_pids_limit(client: httpx.Client) -> None:
+    workers = client.get("/api/v1/workers").json()["workers"]
     if not next(w for w in workers if w["name"] == "w1")["features"].get("limits", {}).get("pids"):
         pytest.skip("the worker does not enforce pid limits on this host")
+
+
+def test_pids_limit(alpha: httpx.Client) -> None:
+    skip_without_pids_limit(alpha)
     name = alpha.post("/api/v1/sandboxes", json={"resources": {"pids": 32}}).json()["name"]
     try:
         out = run(
@@ -192,9 +196,7 @@ def test_a_sandbox_at_its_process_limit_keeps_its_agent(alpha: httpx.Client) -> 
     pids limit once ended the agent (a thread is a task too: it could not start one) and
     the sandbox with it. Now they are refused (429, the limit named) until some processes
     end, and the sandbox serves again after."""
-    workers = alpha.get("/api/v1/workers").json()["workers"]
-    if not next(w for w in workers if w["name"] == "w1")["features"].get("limits", {}).get("pids"):
-        pytest.skip("the worker does not enforce pid limits on this host")
+    skip_without_pids_limit(alpha)
     name = alpha.post("/api/v1/sandboxes", json={"resources": {"pids": 32}}).json()["name"]
     try:
         # children that outlive their parent: the agent's orphans, holding every pid for 4 s
