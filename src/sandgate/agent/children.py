@@ -293,8 +293,10 @@ def fork_terminal(slave: int, argv: list[str], env: dict[str, str], cwd: str, gu
             if pid == 0:
                 _become(slave, argv, env, cwd, error_w)
             guard.own(pid)
-    except BaseException:  # the fork refused (BlockingIOError: the sandbox's pids limit)
+    except BaseException as exc:
         os.close(error_r)
+        if isinstance(exc, BlockingIOError):  # the fork refused: the sandbox's pids limit
+            raise at_pids_limit() from None
         raise
     finally:
         os.close(error_w)

@@ -21,13 +21,13 @@ if TYPE_CHECKING:
     import subprocess
 
     from sandgate.agent import entries, paths, pump
-    from sandgate.agent.request import AgentError, Header, at_pids_limit, str_field
+    from sandgate.agent.request import AgentError, Header, start_thread, str_field
     from sandgate.agent.state import AgentState
 else:
     import entries
     import paths
     import pump
-    from request import AgentError, at_pids_limit, str_field
+    from request import AgentError, start_thread, str_field
 
 EXEC_OUTPUT_CAP = 1 << 20  # bytes kept of each of stdout and stderr
 EXEC_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -132,10 +132,10 @@ def op_exec(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]
     feeder = threading.Thread(target=_feed, args=(write_end, code.encode()), daemon=True)
     try:
         try:
-            feeder.start()
-        except RuntimeError:  # no thread: the sandbox's pids limit
+            start_thread(feeder)
+        except AgentError:  # not started: the pipe's other end is still ours
             os.close(write_end)
-            raise at_pids_limit() from None
+            raise
         argv = [program, f"/dev/fd/{read_end}"]
         return _run(st, argv, cwd, env, timeout, pass_fds=(read_end,))
     finally:

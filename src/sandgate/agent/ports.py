@@ -44,10 +44,10 @@ if TYPE_CHECKING:
     from typing import Any
 
     from sandgate.agent.log import log
-    from sandgate.agent.request import AgentError, Header, at_pids_limit
+    from sandgate.agent.request import AgentError, Header, start_thread
 else:
     from log import log
-    from request import AgentError, at_pids_limit
+    from request import AgentError, start_thread
 
 OPS = ("port_open", "port_write", "port_read", "port_shutdown", "port_close")
 MAX_CONNECTIONS = 256  # open connections per agent (per sandbox)
@@ -200,10 +200,7 @@ class Ports:
                 raise AgentError("io_error", "the agent is shutting down")
             if self._thread is None:
                 thread = threading.Thread(target=self._run, name="ports", daemon=True)
-                try:
-                    thread.start()
-                except RuntimeError:  # no thread: the sandbox's pids limit is reached
-                    raise at_pids_limit() from None
+                start_thread(thread)  # refused at the sandbox's pids limit: nothing queued
                 self._thread = thread
             self._inbox.append((rid, op, fields, payload))
         self._wake()

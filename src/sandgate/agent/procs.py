@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     )
     from sandgate.agent.log import log
     from sandgate.agent.orphans import Reaper
-    from sandgate.agent.request import AgentError, Header, at_pids_limit
+    from sandgate.agent.request import AgentError, Header, start_thread
 else:
     import pump
     from children import (
@@ -76,7 +76,7 @@ else:
     )
     from log import log
     from orphans import Reaper
-    from request import AgentError, at_pids_limit
+    from request import AgentError, start_thread
 
 MAX_PROCESSES = 256  # processes and terminals remembered per agent
 MAX_WAIT = 30.0  # seconds a read may wait for output
@@ -290,24 +290,23 @@ class Registry:
         self._entries.pop(entry.pid, None)  # a recycled pid: the new process takes it over
         self._entries[entry.pid] = entry
         try:
-            threading.Thread(
-                target=self._pump, args=(entry, read_fds), name=f"pump-{entry.pid}", daemon=True
-            ).start()
-        except BaseException as exc:
+            start_thread(
+                threading.Thread(
+                    target=self._pump, args=(entry, read_fds), name=f"pump-{entry.pid}", daemon=True
+                )
+            )
+        except BaseException:
             del self._entries[entry.pid]
             killpg(entry.pid, signal.SIGKILL)
             close_all(fd for fd in read_fds if fd != entry.write_fd)
             with entry.wlock:
                 close_write_fd(entry)
             entry.wait()
-            if isinstance(exc, RuntimeError):  # no thread for its pump: the pids limit
-                raise at_pids_limit() from None
             raise
 
     # ----------------------------------------------------------------------- processes
 
     def _proc_start(self, req: Header, payload: bytes) -> tuple[Header, bytes]:
-
         given = self._argv(req)
         program = req.get("program")
         if program is not None:
@@ -535,10 +534,8 @@ class Registry:
             try:
                 fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
                 pid = fork_terminal(slave, argv, env, cwd, self._reaper)
-            except BaseException as exc:
+            except BaseException:
                 os.close(master)
-                if isinstance(exc, BlockingIOError):  # the fork refused: the pids limit
-                    raise at_pids_limit() from None
                 raise
             finally:
                 os.close(slave)

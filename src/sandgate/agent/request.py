@@ -5,6 +5,7 @@ from __future__ import annotations
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
+    import threading
     from typing import Any
 
     Header = dict[str, Any]
@@ -35,6 +36,15 @@ def at_pids_limit() -> AgentError:
         "some of its processes end, or create it with a higher limit",
         {"limit": "pids", "retry_after": AT_LIMIT_RETRY_S},
     )
+
+
+def start_thread(thread: threading.Thread) -> None:
+    """``thread.start()``; a thread the sandbox's pids limit refuses (a thread is a task:
+    "can't start new thread") is that limit's error."""
+    try:
+        thread.start()
+    except RuntimeError:
+        raise at_pids_limit() from None
 
 
 def str_field(req: Header, name: str, default: str | None = None) -> str:

@@ -47,12 +47,12 @@ if TYPE_CHECKING:
 
     from sandgate.agent import entries, paths
     from sandgate.agent.log import log
-    from sandgate.agent.request import AgentError, Header, at_pids_limit, bool_field, str_field
+    from sandgate.agent.request import AgentError, Header, bool_field, start_thread, str_field
 else:
     import entries
     import paths
     from log import log
-    from request import AgentError, at_pids_limit, bool_field, str_field
+    from request import AgentError, bool_field, start_thread, str_field
 
 MAX_WATCHERS = 64  # watchers per agent (ended ones are forgotten first to make room)
 MAX_EVENTS = 10_000  # events kept per watcher: the oldest are dropped first
@@ -419,7 +419,7 @@ class Watcher:
 
     def start(self) -> None:
         thread = threading.Thread(target=self.run, name=f"watch-{self.wid}", daemon=True)
-        thread.start()
+        start_thread(thread)
         self.thread = thread  # only once it runs: it closes the descriptors when it ends
 
     def stop(self) -> None:
@@ -502,8 +502,6 @@ class Watches:
                 watcher._close()
             if isinstance(exc, _Limit):
                 raise AgentError(exc.code, exc.message) from None
-            if isinstance(exc, RuntimeError):  # no thread: the sandbox's pids limit
-                raise at_pids_limit() from None
             raise
         finally:
             with self._lock:
