@@ -282,8 +282,9 @@ WORKER_OBJECT_STATE: Mapping[str, StateRow] = MappingProxyType(
             "(a namespace being torn down): its loop device, mounted again by a mount "
             "meanwhile, and the flock, kept until it is gone",
             "the workspaces unmounted in the last moments (each let go once its file system "
-            "is gone), plus those found alive on the host at start (kept until mounted here "
-            "or deleted): at most the host's loop devices",
+            "is gone), plus those found alive on the host at start (likewise when this worker "
+            "took their flock, else kept until mounted here or deleted): at most the host's "
+            "loop devices",
             "exact across hosts: the flock stays held until the file system is gone, so no "
             "other worker mounts the image before its last changes are written (one found at "
             "start whose flock another worker process here holds is guarded by that one)",
