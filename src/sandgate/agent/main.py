@@ -262,7 +262,7 @@ def _dispatch(st: AgentState, request_id: int, req: Header, payload: bytes) -> N
     value = req.get(field) if field is not None else None
     if field is None or not isinstance(value, int) or isinstance(value, bool):
         if not st.threads.run(_serve, st, request_id, req, payload):
-            _refuse_at_limit(st, request_id)
+            _no_thread(st, request_id, req, payload)
         return
     key = (field, value)
     with st.queues_lock:
@@ -274,13 +274,22 @@ def _dispatch(st: AgentState, request_id: int, req: Header, payload: bytes) -> N
     if not st.threads.run(_drain, st, key):
         with st.queues_lock:
             refused = st.queues.pop(key, [])
-        for queued_id, _, _ in refused:
-            _refuse_at_limit(st, queued_id)
+        for queued in refused:  # only this request: the queue was new
+            _no_thread(st, *queued)
 
 
-def _refuse_at_limit(st: AgentState, request_id: int) -> None:
-    """No thread could serve the request (the sandbox's processes hold its pids limit):
-    answered at once from the reading thread, which never waits on one."""
+# What ends processes, the way a sandbox at its pids limit gets its pids back: served on the
+# reading thread itself when no thread can take it (a signal never blocks, and neither do
+# the locks these take: each is held only for a look-up or a signal).
+_ENDING_OPS = frozenset({"proc_signal", "pty_close"})
+
+
+def _no_thread(st: AgentState, request_id: int, req: Header, payload: bytes) -> None:
+    """No thread could take the request (the sandbox's processes hold its pids limit): one
+    that ends processes is served here; any other is refused at once, never waited for."""
+    if req.get("op") in _ENDING_OPS:
+        _serve(st, request_id, req, payload)
+        return
     exc = at_pids_limit()
     _fail(st, request_id, exc.code, exc.message, exc.details)
 

@@ -576,7 +576,10 @@ class Registry:
             entry.signal_session(signal.SIGCONT)  # stopped jobs get the hangup too
             timer = threading.Timer(PTY_KILL_DELAY, entry.signal_session, (signal.SIGKILL,))
             timer.daemon = True
-            timer.start()
+            try:
+                timer.start()
+            except RuntimeError:  # no thread to wait with (the pids limit): no grace either
+                entry.signal_session(signal.SIGKILL)
         # the pump closes the master once the shell has exited (and its grace period passed)
         return {}, b""
 

@@ -1,0 +1,146 @@
+"""A sandbox whose processes keep its pids limit full can still end them through the API.
+
+A fork bomb (a background process that forks until refused, then keeps trying) leaves its
+sandbox's agent no thread to start: every request that finds no idle one is refused with
+429 until processes end. The requests that end processes are the way out, so they are
+served anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from urllib.parse import urlencode
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+
+from tests.integration.api.conftest import RUNTIME, Deployment, wait_until
+from tests.integration.api.test_isolation import skip_without_pids_limit
+
+pytestmark = pytest.mark.skipif(RUNTIME != "bwrap", reason="pid limits need the bwrap runtime")
+
+BOMB = (
+    "import os, time\n"
+    "while True:\n"
+    "    try:\n"
+    "        pid = os.fork()\n"
+    "    except BlockingIOError:  # the limit: try again, so that no pid stays free\n"
+    "        time.sleep(0.005)\n"
+    "        continue\n"
+    "    if pid == 0:\n"
+    "        time.sleep(600)\n"
+    "        os._exit(0)\n"
+)
+FOLLOWERS = 6  # more than the agent keeps idle threads (4): every one of them is taken
+
+
+def procs(name: str) -> str:
+    return f"/api/v1/sandboxes/{name}/toolbox/processes"
+
+
+@contextmanager
+def small_sandbox(client: httpx.Client) -> Iterator[str]:
+    skip_without_pids_limit(client)
+    made = client.post("/api/v1/sandboxes", json={"resources": {"pids": 32}})
+    assert made.status_code == 201, made.text
+    name = made.json()["name"]
+    try:
+        yield name
+    finally:
+        client.delete(f"/api/v1/sandboxes/{name}")
+
+
+def start_bomb(client: httpx.Client, name: str) -> int:
+    """The bomb started as a background process, and the limit full (its pid)."""
+    written = client.put(f"/api/v1/sandboxes/{name}/toolbox/files?path=bomb.py", content=BOMB)
+    assert written.is_success, written.text
+    started = client.post(procs(name), json={"command": "exec python3 bomb.py"})
+    assert started.status_code == 201, started.text
+    time.sleep(1.0)  # forks take a few ms each: 32 pids are full long before
+    return int(started.json()["pid"])
+
+
+def state_of(client: httpx.Client, name: str, pid: int) -> str:
+    """The process's state, asked again while the agent answers 429 (the limit)."""
+    deadline = time.monotonic() + 20
+    while True:
+        got = client.get(f"{procs(name)}/{pid}")
+        if got.status_code != 429 or time.monotonic() > deadline:
+            assert got.status_code == 200, got.text
+            return str(got.json()["state"])
+        time.sleep(0.2)
+
+
+def wait_exited(client: httpx.Client, name: str, pid: int) -> None:
+    wait_until(lambda: state_of(client, name, pid) == "exited", what=f"process {pid} exited")
+
+
+def test_a_fork_bomb_is_killed_while_every_agent_thread_is_taken(alpha: httpx.Client) -> None:
+    """With every idle agent thread held by a follower's long poll and no pid free for
+    another, the signal that would stop the bomb was refused (429) for as long as the bomb
+    ran, which is forever. The agent's reading thread serves it itself now."""
+    with small_sandbox(alpha) as name:
+        bomb = start_bomb(alpha, name)
+
+        def follow() -> None:
+            try:
+                with alpha.stream("GET", f"{procs(name)}/{bomb}/stream", timeout=60) as response:
+                    for _ in response.iter_bytes():  # long polls, until the bomb ends
+                        pass
+            except httpx.HTTPError:
+                pass  # refused (the limit) or cut short: it holds no thread either way
+
+        followers = [threading.Thread(target=follow, daemon=True) for _ in range(FOLLOWERS)]
+        for follower in followers:
+            follower.start()
+        time.sleep(1.5)  # each follower is now in a long poll, or was refused
+        killed = alpha.post(f"{procs(name)}/{bomb}/signal", json={"signal": "SIGKILL"})
+        assert killed.status_code == 200, killed.text
+        wait_exited(alpha, name, bomb)
+        for follower in followers:
+            follower.join(timeout=30)
+        deadline = time.monotonic() + 20
+        while True:  # the bomb's children, killed with it, are reaped: the sandbox serves
+            again = alpha.post(f"/api/v1/sandboxes/{name}/execute", json={"code": "echo ok"})
+            if again.status_code != 429 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert again.status_code == 200 and again.json()["stdout"] == "ok\n", again.text
+        assert alpha.get(f"/api/v1/sandboxes/{name}").json()["state"] == "running"
+
+
+def test_a_terminal_closed_at_the_pids_limit_is_killed(
+    deployment: Deployment, alpha: httpx.Client
+) -> None:
+    """A terminal's close sends SIGHUP, then SIGKILL after a grace counted on a timer
+    thread. At the limit that thread could not start: the close failed (io_error, which the
+    WebSocket's end swallows) and a terminal that ignored the hangup ran on. Now it gets
+    SIGKILL at once."""
+    with small_sandbox(alpha) as name:
+        query = urlencode({"command": "trap '' HUP; exec sleep 600"})
+        url = deployment.url.replace("http://", "ws://")
+        url += f"/api/v1/sandboxes/{name}/toolbox/pty?{query}"
+        headers = {"Authorization": f"Bearer {deployment.keys['alpha']}"}
+
+        def terminal() -> int | None:
+            listed = alpha.get(procs(name)).json()["processes"]
+            return next((int(p["pid"]) for p in listed if p["terminal"]), None)
+
+        async def open_then_close() -> tuple[int, int]:
+            async with connect(url, additional_headers=headers):
+                await asyncio.to_thread(wait_until, terminal, what="the terminal listed")
+                pid = terminal()
+                assert pid is not None
+                return pid, await asyncio.to_thread(start_bomb, alpha, name)
+
+        shell, bomb = asyncio.run(open_then_close())  # leaving it closed the terminal
+        time.sleep(1.0)  # the close reached the agent while the bomb held the limit
+        killed = alpha.post(f"{procs(name)}/{bomb}/signal", json={"signal": "SIGKILL"})
+        assert killed.status_code == 200, killed.text
+        wait_exited(alpha, name, bomb)
+        wait_exited(alpha, name, shell)
