@@ -279,8 +279,9 @@ def _dispatch(st: AgentState, request_id: int, req: Header, payload: bytes) -> N
 
 
 # What ends processes, the way a sandbox at its pids limit gets its pids back: served on the
-# reading thread itself when no thread can take it (a signal never blocks, and neither do
-# the locks these take: each is held only for a look-up or a signal).
+# reading thread itself when no thread can take it. A signal never blocks; the locks these
+# take are held by other threads for a look-up, a signal or a spawn (at most its start
+# timeout), never while waiting on the reading thread, so the wait is bounded.
 _ENDING_OPS = frozenset({"proc_signal", "pty_close"})
 
 

@@ -13,12 +13,15 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from urllib.parse import urlencode
 
 import httpx
 import pytest
+from e2b import Sandbox
 from websockets.asyncio.client import connect
 
+from tests.e2b_scenarios import E2B
 from tests.integration.api.conftest import RUNTIME, Deployment, wait_until
 from tests.integration.api.test_isolation import skip_without_pids_limit
 
@@ -80,30 +83,46 @@ def wait_exited(client: httpx.Client, name: str, pid: int) -> None:
     wait_until(lambda: state_of(client, name, pid) == "exited", what=f"process {pid} exited")
 
 
+def hold_every_thread(client: httpx.Client, name: str, pid: int) -> list[threading.Thread]:
+    """Followers of the bomb's output, each in a long poll that holds an agent thread until
+    the bomb ends: with no pid free for another thread, none is left for a request."""
+
+    def follow() -> None:
+        try:
+            with client.stream("GET", f"{procs(name)}/{pid}/stream", timeout=60) as response:
+                for _ in response.iter_bytes():  # long polls, until the bomb ends
+                    pass
+        except httpx.HTTPError:
+            pass  # refused (the limit) or cut short: it holds no thread either way
+
+    followers = [threading.Thread(target=follow, daemon=True) for _ in range(FOLLOWERS)]
+    for follower in followers:
+        follower.start()
+    time.sleep(1.5)  # each follower is now in a long poll, or was refused
+    return followers
+
+
+def join(followers: list[threading.Thread]) -> None:
+    deadline = time.monotonic() + 30
+    for follower in followers:
+        follower.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def exited_at(client: httpx.Client, name: str, pid: int) -> datetime:
+    return datetime.fromisoformat(client.get(f"{procs(name)}/{pid}").json()["exited_at"])
+
+
 def test_a_fork_bomb_is_killed_while_every_agent_thread_is_taken(alpha: httpx.Client) -> None:
     """With every idle agent thread held by a follower's long poll and no pid free for
     another, the signal that would stop the bomb was refused (429) for as long as the bomb
     ran, which is forever. The agent's reading thread serves it itself now."""
     with small_sandbox(alpha) as name:
         bomb = start_bomb(alpha, name)
-
-        def follow() -> None:
-            try:
-                with alpha.stream("GET", f"{procs(name)}/{bomb}/stream", timeout=60) as response:
-                    for _ in response.iter_bytes():  # long polls, until the bomb ends
-                        pass
-            except httpx.HTTPError:
-                pass  # refused (the limit) or cut short: it holds no thread either way
-
-        followers = [threading.Thread(target=follow, daemon=True) for _ in range(FOLLOWERS)]
-        for follower in followers:
-            follower.start()
-        time.sleep(1.5)  # each follower is now in a long poll, or was refused
+        followers = hold_every_thread(alpha, name, bomb)
         killed = alpha.post(f"{procs(name)}/{bomb}/signal", json={"signal": "SIGKILL"})
         assert killed.status_code == 200, killed.text
         wait_exited(alpha, name, bomb)
-        for follower in followers:
-            follower.join(timeout=30)
+        join(followers)
         deadline = time.monotonic() + 20
         while True:  # the bomb's children, killed with it, are reaped: the sandbox serves
             again = alpha.post(f"/api/v1/sandboxes/{name}/execute", json={"code": "echo ok"})
@@ -118,9 +137,10 @@ def test_a_terminal_closed_at_the_pids_limit_is_killed(
     deployment: Deployment, alpha: httpx.Client
 ) -> None:
     """A terminal's close sends SIGHUP, then SIGKILL after a grace counted on a timer
-    thread. At the limit that thread could not start: the close failed (io_error, which the
-    WebSocket's end swallows) and a terminal that ignored the hangup ran on. Now it gets
-    SIGKILL at once."""
+    thread. At the limit, with every agent thread taken, the close was refused (429), and
+    when an idle thread took it the timer could not start (io_error): either way, which the
+    WebSocket's end swallows, a terminal that ignored the hangup ran on. Now the reading
+    thread serves the close and sends SIGKILL at once."""
     with small_sandbox(alpha) as name:
         query = urlencode({"command": "trap '' HUP; exec sleep 600"})
         url = deployment.url.replace("http://", "ws://")
@@ -131,16 +151,37 @@ def test_a_terminal_closed_at_the_pids_limit_is_killed(
             listed = alpha.get(procs(name)).json()["processes"]
             return next((int(p["pid"]) for p in listed if p["terminal"]), None)
 
-        async def open_then_close() -> tuple[int, int]:
+        async def open_then_close() -> tuple[int, int, list[threading.Thread]]:
             async with connect(url, additional_headers=headers):
                 await asyncio.to_thread(wait_until, terminal, what="the terminal listed")
                 pid = terminal()
                 assert pid is not None
-                return pid, await asyncio.to_thread(start_bomb, alpha, name)
+                bomb = await asyncio.to_thread(start_bomb, alpha, name)
+                followers = await asyncio.to_thread(hold_every_thread, alpha, name, bomb)
+                return pid, bomb, followers
 
-        shell, bomb = asyncio.run(open_then_close())  # leaving it closed the terminal
-        time.sleep(1.0)  # the close reached the agent while the bomb held the limit
+        shell, bomb, followers = asyncio.run(open_then_close())  # leaving it closes it
+        time.sleep(1.0)  # the close reaches the agent while the bomb holds the limit
         killed = alpha.post(f"{procs(name)}/{bomb}/signal", json={"signal": "SIGKILL"})
         assert killed.status_code == 200, killed.text
         wait_exited(alpha, name, bomb)
+        join(followers)
         wait_exited(alpha, name, shell)
+        # it ended while the limit was full, not once the bomb had let go
+        assert exited_at(alpha, name, shell) < exited_at(alpha, name, bomb)
+
+
+def test_an_e2b_kill_reaches_a_sandbox_at_its_pids_limit(
+    deployment: Deployment, alpha: httpx.Client
+) -> None:
+    """E2B's `commands.kill` looked the process up first (to answer NOT_FOUND for one that
+    is gone), and at the limit the look-up was refused: the kill failed with the bomb
+    running. Now a look-up refused for the pids limit does not stop the signal."""
+    with small_sandbox(alpha) as name:
+        bomb = start_bomb(alpha, name)
+        followers = hold_every_thread(alpha, name, bomb)
+        sandbox = Sandbox.connect(name, **E2B(deployment.keys["alpha"], deployment.url).options())
+        assert sandbox.commands.kill(bomb) is True
+        wait_exited(alpha, name, bomb)
+        join(followers)
+        assert sandbox.commands.kill(bomb) is False  # gone now: NOT_FOUND, as before

@@ -34,7 +34,7 @@ from sandgate.api.e2b.caller import (
 from sandgate.api.e2b.envd_pb.process import process_connect
 from sandgate.api.e2b.envd_pb.process import process_pb as pb
 from sandgate.control.toolbox import OutputPage
-from sandgate.errors import SandgateError
+from sandgate.errors import LimitExceededError, SandgateError
 from sandgate.store.base import TenantId
 
 # a start answers with what the command printed within START_READ_WAIT s and, if it printed,
@@ -299,8 +299,15 @@ class ProcessService(OnToolbox, process_connect.Process):
             raise ConnectError(Code.INVALID_ARGUMENT, "signal must be SIGNAL_SIGKILL or SIGTERM")
         pid = _pid(request.process)
         with as_connect(who.sandbox):
-            process = await self.toolbox.process(who.tenant, who.sandbox, pid)
-            if process.state != "running":
+            try:
+                state = (await self.toolbox.process(who.tenant, who.sandbox, pid)).state
+            except LimitExceededError as exc:
+                if exc.limit != "pids":
+                    raise
+                # a sandbox at its pids limit answers no look-up but still takes a signal,
+                # the way to get its pids back: sent without knowing the state
+                state = "running"
+            if state != "running":
                 raise ConnectError(Code.NOT_FOUND, f"process {pid} is not running")
             await self.toolbox.signal_process(who.tenant, who.sandbox, pid, name)
         return pb.SendSignalResponse()
