@@ -224,7 +224,9 @@ def lifecycle(e2b: E2B, sbx: Sandbox) -> None:
     try:
         sbx.pause()
     except SandboxException as exc:
-        assert "does not support" in str(exc) and not isinstance(exc, NotFoundException)
+        assert not isinstance(exc, NotFoundException)
+        assert "does not support pausing a sandbox (pause/resume) yet" in str(exc)
+        assert str(exc).rstrip(".").endswith("kill it and create a new one instead"), exc
     else:
         raise AssertionError("pause must be refused: sandgate cannot pause sandboxes yet")
     assert sbx.is_running()

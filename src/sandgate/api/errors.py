@@ -89,6 +89,39 @@ def retry_after_header(seconds: float) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
+def retry_headers(exc: e.SandgateError) -> dict[str, str] | None:
+    """`Retry-After` for an error that passes with time (a limit, an outage), else None."""
+    if isinstance(exc, e.UnavailableError | e.LimitExceededError):
+        return retry_after_header(exc.retry_after)
+    if isinstance(exc, e.StoreError):
+        return {"Retry-After": "1"}
+    return None
+
+
+def body_fields(exc: e.SandgateError) -> dict[str, str]:
+    """What an error's JSON body carries beside its code and message: the limit it names."""
+    if isinstance(exc, e.LimitExceededError):
+        return {"limit": exc.limit}
+    if isinstance(exc, e.ResourceCapError):
+        return {"limit": exc.cap, "max": f"{exc.value:g}"}
+    return {}
+
+
+def domain_response(
+    exc: e.SandgateError, status: int | None = None, *, shape: Shape = native_body
+) -> JSONResponse:
+    """The answer to `exc` (at its own status unless `status` is given): its body in `shape`
+    and its `Retry-After`, as every route answers it."""
+    return error_response(
+        status_of(exc) if status is None else status,
+        exc.code,
+        exc.message,
+        retry_headers(exc),
+        shape=shape,
+        **body_fields(exc),
+    )
+
+
 def install(app: FastAPI, *, shape: Shape = native_body, validation_status: int = 422) -> None:
     """Answer every error of `app` in `shape`; a body that fails validation gets
     `validation_status` (422 natively; E2B's SDKs expect 400)."""
@@ -96,21 +129,9 @@ def install(app: FastAPI, *, shape: Shape = native_body, validation_status: int 
     async def _domain(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, e.SandgateError)
         status = status_of(exc)
-        headers = None
-        extra: dict[str, str] = {}
-        if isinstance(exc, e.UnavailableError):
-            headers = retry_after_header(exc.retry_after)
-        elif isinstance(exc, e.LimitExceededError):
-            headers = retry_after_header(exc.retry_after)
-            extra["limit"] = exc.limit
-        elif isinstance(exc, e.StoreError):
-            headers = {"Retry-After": "1"}
-        elif isinstance(exc, e.ResourceCapError):
-            extra["limit"] = exc.cap
-            extra["max"] = f"{exc.value:g}"
         if status >= 500:
             log.warning("request.failed", extra={"code": exc.code, "error": exc.message})
-        return error_response(status, exc.code, exc.message, headers, shape=shape, **extra)
+        return domain_response(exc, status, shape=shape)
 
     async def _validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

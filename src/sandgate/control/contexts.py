@@ -26,7 +26,13 @@ from typing import Any
 
 from sandgate.control.replies import Process
 from sandgate.control.toolbox import Toolbox
-from sandgate.errors import ConflictError, InvalidRequestError, NotFoundError, SandgateError
+from sandgate.errors import (
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    SandgateError,
+    WorkerError,
+)
 from sandgate.store.base import TenantId
 
 TAG_PREFIX = "ctx:"
@@ -35,6 +41,12 @@ DEFAULT_CONTEXT = "default"
 # the context a run without a context id goes to, per language (made by its first run)
 DEFAULT_CONTEXTS = MappingProxyType({"python": DEFAULT_CONTEXT, "bash": "default-bash"})
 READY_SECONDS = 60.0  # a kernel that does not answer within this is a failed create
+# what a kernel that died starting most often ran into, and what to do about it
+KERNEL_ROOM = (
+    "a kernel needs room for its processes and threads and its memory: if the sandbox's "
+    "processes are near its resources.pids or resources.memory_mb, end some of them or "
+    "create the sandbox with more"
+)
 FOLLOW_WAIT = 25.0
 DELETE_SECONDS = 10.0  # then a context's process that did not exit is killed
 CONTEXT_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
@@ -177,15 +189,30 @@ class ContextService:
 
     async def _ready(self, tenant: TenantId, name: str, context: Context) -> Context:
         """Wait for the bridge's `ready` line: its kernel answers."""
-        async with asyncio.timeout(READY_SECONDS):
-            async for event in self._events(tenant, name, context.pid, 0):
-                if event.get("type") == "ready":
-                    return context
-                if event.get("type") == "error" and event.get("run") is None:
-                    raise SandgateError(
-                        f"the kernel of context {context.id} did not start: {event.get('value')}",
-                        code="worker_error",
-                    )
+        await self._kernel_answers(tenant, name, context, 0, "ready")
+        return context
+
+    async def _kernel_answers(
+        self, tenant: TenantId, name: str, context: Context, offset: int, wanted: str
+    ) -> None:
+        """Until the bridge's `wanted` line (`ready`, `restarted`) from `offset`: its kernel
+        answers. A line of an error of no run (its kernel could not start), the bridge's
+        exit, or `READY_SECONDS` without either fail the call, each saying so."""
+        try:
+            async with asyncio.timeout(READY_SECONDS):
+                async for event in self._events(tenant, name, context.pid, offset):
+                    if event.get("type") == wanted:
+                        return
+                    if event.get("type") == "error" and event.get("run") is None:
+                        raise WorkerError(
+                            f"the kernel of context {context.id} did not start: "
+                            f"{event.get('value')} ({KERNEL_ROOM})"
+                        )
+        except TimeoutError:
+            raise WorkerError(
+                f"the kernel of context {context.id} did not answer within {READY_SECONDS:g} s"
+                f" ({KERNEL_ROOM})"
+            ) from None
         raise ConflictError(f"the kernel of context {context.id} exited while starting")
 
     async def delete(self, tenant: TenantId, name: str, context_id: str) -> None:
@@ -210,11 +237,8 @@ class ContextService:
     async def restart(self, tenant: TenantId, name: str, context_id: str) -> Context:
         context = await self.get(tenant, name, context_id)
         await self._send(tenant, name, context.pid, {"op": "restart"})
-        async with asyncio.timeout(READY_SECONDS):
-            async for event in self._events(tenant, name, context.pid, context.output_end):
-                if event.get("type") == "restarted":
-                    return context
-        raise ConflictError(f"context {context_id} ended while restarting")
+        await self._kernel_answers(tenant, name, context, context.output_end, "restarted")
+        return context
 
     async def _follow_run(
         self, tenant: TenantId, name: str, pid: int, offset: int, run_id: str

@@ -9,6 +9,7 @@ served anyway.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
 
 from tests.e2b_scenarios import E2B
 from tests.integration.api.conftest import RUNTIME, Deployment, wait_until
@@ -47,9 +49,9 @@ def procs(name: str) -> str:
 
 
 @contextmanager
-def small_sandbox(client: httpx.Client) -> Iterator[str]:
+def small_sandbox(client: httpx.Client, pids: int = 32) -> Iterator[str]:
     skip_without_pids_limit(client)
-    made = client.post("/api/v1/sandboxes", json={"resources": {"pids": 32}})
+    made = client.post("/api/v1/sandboxes", json={"resources": {"pids": pids}})
     assert made.status_code == 201, made.text
     name = made.json()["name"]
     try:
@@ -185,3 +187,67 @@ def test_an_e2b_kill_reaches_a_sandbox_at_its_pids_limit(
         wait_exited(alpha, name, bomb)
         join(followers)
         assert sandbox.commands.kill(bomb) is False  # gone now: NOT_FOUND, as before
+
+
+def test_a_context_restarted_at_the_limit_fails_at_once_and_says_why(
+    alpha: httpx.Client,
+) -> None:
+    """A restart whose new kernel could not start (the bomb took its pids) was seen only as
+    silence: the call waited out its 60 s and answered 500. The bridge's error now ends it
+    at once, as the worker's error, naming the limits a kernel needs room in."""
+    with small_sandbox(alpha) as name:
+        made = alpha.post(f"/api/v1/sandboxes/{name}/contexts", json={"language": "python"})
+        assert made.status_code == 201, made.text
+        start_bomb(alpha, name)
+        started = time.monotonic()
+        restarted = alpha.post(
+            f"/api/v1/sandboxes/{name}/contexts/{made.json()['id']}/restart", timeout=90
+        )
+        assert time.monotonic() - started < 30
+        assert restarted.status_code == 502, restarted.text
+        assert "resources.pids" in restarted.json()["error"]["message"]
+
+
+def test_a_kernel_with_no_room_to_start_is_a_worker_error_that_names_the_limits(
+    alpha: httpx.Client,
+) -> None:
+    """An IPython kernel's processes and threads do not fit in 16 pids: it died starting,
+    and the create answered 500 with an opaque message."""
+    with small_sandbox(alpha, pids=16) as name:
+        made = alpha.post(f"/api/v1/sandboxes/{name}/contexts", json={"language": "python"})
+        assert made.status_code == 502, made.text
+        assert made.json()["error"]["code"] == "worker_error"
+        assert "resources.pids" in made.json()["error"]["message"]
+
+
+def test_refusals_at_the_limit_say_when_to_retry(
+    deployment: Deployment, alpha: httpx.Client
+) -> None:
+    """The code interpreter's routes and a terminal's WebSocket answered the pids limit's
+    429 without `Retry-After` (the terminal's without the limit named in its body either)."""
+    with small_sandbox(alpha) as name:
+        sandbox = Sandbox.connect(name, **E2B(deployment.keys["alpha"], deployment.url).options())
+        start_bomb(alpha, name)
+        headers = {
+            "E2b-Sandbox-Id": name,
+            "E2b-Sandbox-Port": "49999",
+            "X-Access-Token": str(sandbox._envd_access_token),
+        }
+        for path, body in (("/execute", {"code": "1"}), ("/contexts", {"language": "python"})):
+            refused = httpx.post(f"{deployment.url}{path}", json=body, headers=headers, timeout=30)
+            assert refused.status_code == 429, (path, refused.text)
+            assert refused.headers["Retry-After"] == "1", path
+
+        async def open_terminal() -> None:
+            url = (
+                deployment.url.replace("http://", "ws://") + f"/api/v1/sandboxes/{name}/toolbox/pty"
+            )
+            auth = {"Authorization": f"Bearer {deployment.keys['alpha']}"}
+            async with connect(url, additional_headers=auth):
+                raise AssertionError("a terminal opened at the limit")
+
+        with pytest.raises(InvalidStatus) as denied:
+            asyncio.run(open_terminal())
+        response = denied.value.response
+        assert response.status_code == 429 and response.headers["Retry-After"] == "1"
+        assert json.loads(response.body)["error"]["limit"] == "pids"

@@ -53,7 +53,12 @@ async def serve(request: Request, svc: Services, who: EnvdCaller) -> Response:
     try:
         return await _route(request, svc, who)
     except SandgateError as exc:
-        return PlainTextResponse(exc.message, status_code=api_errors.status_of(exc))
+        # plain text, as E2B's own server answers; and when to retry, as ours always do
+        return PlainTextResponse(
+            exc.message,
+            status_code=api_errors.status_of(exc),
+            headers=api_errors.retry_headers(exc),
+        )
 
 
 async def _route(request: Request, svc: Services, who: EnvdCaller) -> Response:

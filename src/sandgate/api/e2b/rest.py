@@ -381,20 +381,22 @@ async def metrics(sandbox_id: str, who: Tenant, svc: Svc) -> list[dict[str, Any]
 
 
 # -- not yet --------------------------------------------------------------------------------
+# what is asked for -> (what it is, what to do instead, if anything)
 NOT_YET = MappingProxyType(
     {
-        "pause": "pausing a sandbox (pause/resume); kill it and create a new one instead",
-        "resume": "pausing a sandbox (pause/resume); kill it and create a new one instead",
-        "fork": "forking a sandbox",
-        "snapshots": "snapshots",
-        "refreshes": "refreshes (use set_timeout)",
-        "logs": "sandbox logs",
+        "pause": ("pausing a sandbox (pause/resume)", "kill it and create a new one instead"),
+        "resume": ("pausing a sandbox (pause/resume)", "kill it and create a new one instead"),
+        "fork": ("forking a sandbox", ""),
+        "snapshots": ("snapshots", ""),
+        "refreshes": ("refreshes", "use set_timeout instead"),
+        "logs": ("sandbox logs", ""),
     }
 )
 
 
-def _not_yet(what: str) -> None:
-    raise NotSupportedError(f"sandgate does not support {what} yet (see docs/e2b.md)")
+def _not_yet(what: str, instead: str = "") -> None:
+    message = f"sandgate does not support {what} yet (see docs/e2b.md)"
+    raise NotSupportedError(f"{message}: {instead}" if instead else message)
 
 
 @router.api_route("/sandboxes/{sandbox_id}/{action}", methods=["GET", "POST", "PUT"])
@@ -402,7 +404,7 @@ def _not_yet(what: str) -> None:
 async def unsupported_action(sandbox_id: str, action: str, who: Tenant) -> None:
     if action not in NOT_YET:
         raise NotFoundError(f"no E2B endpoint /sandboxes/{{id}}/{action} here (see docs/e2b.md)")
-    _not_yet(NOT_YET[action])
+    _not_yet(*NOT_YET[action])
 
 
 @router.api_route("/snapshots", methods=["GET", "POST"])
@@ -419,6 +421,7 @@ async def unsupported_snapshots(who: Tenant) -> None:
 @router.api_route("/v3/templates/{rest:path}", methods=["GET", "POST", "PATCH", "DELETE"])
 async def unsupported_templates(who: Tenant) -> None:
     _not_yet(
-        "building or managing templates through E2B's API (import images with sandgate "
-        "templates import or POST /api/v1/templates, then pass their name as templateID)"
+        "building or managing templates through E2B's API",
+        "import images with sandgate templates import or POST /api/v1/templates, then pass "
+        "their name as templateID",
     )

@@ -11,11 +11,10 @@ from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, WebSocket
-from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect
 
 from sandgate.api.deps import Services, presented_key, resolve_key, services, tenant, tenant_of
-from sandgate.api.errors import status_of
+from sandgate.api.errors import domain_response, status_of
 from sandgate.api.responses import JSON_BODY, SANDBOX, TENANT, error_docs
 from sandgate.api.schemas import PtyToken, PtyTokenOut
 from sandgate.core.tokens import TokenError, sign, verify
@@ -82,9 +81,7 @@ async def pty(ws: WebSocket, name: str) -> None:
         pid = await svc.toolbox.open_terminal(who, name, cols=cols, rows=rows, command=command)
     except SandgateError as exc:
         status = status_of(exc) if status_of(exc) != 500 else 400
-        await ws.send_denial_response(
-            JSONResponse({"error": {"code": exc.code, "message": exc.message}}, status_code=status)
-        )
+        await ws.send_denial_response(domain_response(exc, status))
         return
     await ws.accept()
     log.info("pty.opened", extra={"sandbox": name, "pid": pid})
