@@ -50,7 +50,13 @@ from sandgate.control.replies import WatchEvent as WatchEvent  # re-exported: Wa
 from sandgate.control.sandboxes import SandboxService
 from sandgate.control.workers import WorkerRegistry
 from sandgate.core.output import decode_output, split_output
-from sandgate.errors import NotFoundError, PayloadTooLargeError, SandgateError, WorkerError
+from sandgate.errors import (
+    LimitExceededError,
+    NotFoundError,
+    PayloadTooLargeError,
+    SandgateError,
+    WorkerError,
+)
 from sandgate.store.base import Sandbox, TenantId
 
 DEFAULT_CALL_SECONDS = 60.0
@@ -461,12 +467,24 @@ class Toolbox:
         wait: float,
         linger: float = 0,
     ) -> OutputPage:
-        fields: dict[str, Any] = {"pid": pid, "offset": offset, "wait": wait}
+        fields: dict[str, Any] = {"pid": pid, "offset": offset}
         if linger:
             fields["linger"] = linger
-        seconds = wait + linger + RELAY_GRACE
-        raw, payload = await self.agent_call(tenant, name, op, fields, seconds=seconds)
-        return _page(parse(OutputReply, raw), payload)
+        clock = asyncio.get_running_loop().time
+        deadline = clock() + wait
+        while True:
+            fields["wait"] = left = max(0.0, deadline - clock())
+            seconds = left + linger + RELAY_GRACE
+            try:
+                raw, payload = await self.agent_call(tenant, name, op, fields, seconds=seconds)
+            except LimitExceededError as exc:
+                # no agent thread could take the read (the sandbox's processes fill its pids
+                # limit): it was never begun, so a long poll asks again within its own wait
+                if exc.limit != "pids" or deadline - clock() <= 0:
+                    raise
+                await asyncio.sleep(min(exc.retry_after, deadline - clock()))
+                continue
+            return _page(parse(OutputReply, raw), payload)
 
     # -- watches ---------------------------------------------------------------------------
     async def watch_start(self, tenant: TenantId, name: str, path: str, *, recursive: bool) -> str:

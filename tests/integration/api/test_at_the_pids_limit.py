@@ -251,3 +251,39 @@ def test_refusals_at_the_limit_say_when_to_retry(
         response = denied.value.response
         assert response.status_code == 429 and response.headers["Retry-After"] == "1"
         assert json.loads(response.body)["error"]["limit"] == "pids"
+
+
+def test_a_terminal_in_use_outlives_a_moment_at_the_limit(
+    deployment: Deployment, alpha: httpx.Client
+) -> None:
+    """Keys typed while no agent thread could take them were refused (429), and the refusal
+    ended the terminal's session, the shell with it. Now they are sent again once the
+    limit passes, and the shell answers."""
+    with small_sandbox(alpha) as name:
+        url = deployment.url.replace("http://", "ws://")
+        url += f"/api/v1/sandboxes/{name}/toolbox/pty?command=bash"
+        headers = {"Authorization": f"Bearer {deployment.keys['alpha']}"}
+
+        async def session() -> bytes:
+            async with connect(url, additional_headers=headers) as ws:
+                await ws.send(b"echo ready-$((1+1))\r")
+                seen = b""
+                async with asyncio.timeout(15):
+                    while b"ready-2" not in seen:
+                        seen += await ws.recv()  # type: ignore[operator]
+                bomb = await asyncio.to_thread(start_bomb, alpha, name)
+                followers = await asyncio.to_thread(hold_every_thread, alpha, name, bomb)
+                await ws.send(b"echo hi-$((40+2))\r")  # refused: no thread takes it
+                await asyncio.sleep(1.5)
+                killed = await asyncio.to_thread(
+                    alpha.post, f"{procs(name)}/{bomb}/signal", json={"signal": "SIGKILL"}
+                )
+                assert killed.status_code == 200, killed.text
+                seen = b""
+                async with asyncio.timeout(30):
+                    while b"hi-42" not in seen:
+                        seen += await ws.recv()  # type: ignore[operator]
+                await asyncio.to_thread(join, followers)
+                return seen
+
+        assert b"hi-42" in asyncio.run(session())

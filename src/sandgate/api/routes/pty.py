@@ -7,8 +7,10 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from functools import partial
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, WebSocket
 from starlette.websockets import WebSocketDisconnect
@@ -18,10 +20,11 @@ from sandgate.api.errors import domain_response, status_of
 from sandgate.api.responses import JSON_BODY, SANDBOX, TENANT, error_docs
 from sandgate.api.schemas import PtyToken, PtyTokenOut
 from sandgate.core.tokens import TokenError, sign, verify
-from sandgate.errors import AuthError, SandgateError
+from sandgate.errors import AuthError, LimitExceededError, SandgateError
 from sandgate.store.base import TenantId
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 router = APIRouter(prefix="/api/v1/sandboxes/{name}/toolbox", tags=["pty"])
 
@@ -30,6 +33,7 @@ Svc = Annotated[Services, Depends(services)]
 
 PTY_PURPOSE = "pty"
 READ_WAIT = 15.0
+LIMIT_PATIENCE = 60.0  # seconds a terminal waits out its sandbox's pids limit, then ends
 
 
 @router.post(
@@ -98,10 +102,25 @@ async def pty(ws: WebSocket, name: str) -> None:
             await ws.close(1000)
 
 
+async def _past_the_limit(call: Callable[[], Awaitable[T]]) -> T:
+    """`call()`, asked again after each refusal for the sandbox's pids limit for up to
+    `LIMIT_PATIENCE` seconds: such a refusal comes before the agent begins the call, so
+    nothing is done twice, and a terminal outlives a moment of its sandbox at the limit."""
+    give_up = time.monotonic() + LIMIT_PATIENCE
+    while True:
+        try:
+            return await call()
+        except LimitExceededError as exc:
+            if exc.limit != "pids" or time.monotonic() >= give_up:
+                raise
+            await asyncio.sleep(exc.retry_after)
+
+
 async def _pump_output(ws: WebSocket, svc: Services, who: TenantId, name: str, pid: int) -> None:
     offset = 0
     while True:
-        page = await svc.toolbox.terminal_output(who, name, pid, offset, wait=READ_WAIT)
+        read = partial(svc.toolbox.terminal_output, who, name, pid, offset, wait=READ_WAIT)
+        page = await _past_the_limit(read)
         payload = b"".join(chunk.data for chunk in page.chunks)
         if payload:
             await ws.send_bytes(payload)
@@ -131,7 +150,7 @@ async def _pump_input(
             return
         data = message.get("bytes")
         if data:
-            await svc.toolbox.write_terminal(who, name, pid, data)
+            await _past_the_limit(partial(svc.toolbox.write_terminal, who, name, pid, data))
             continue
         text = message.get("text")
         if text:
@@ -147,4 +166,5 @@ async def _control(svc: Services, who: TenantId, name: str, pid: int, text: str)
     except (ValueError, TypeError, KeyError, AttributeError):
         return  # not a control message we know: ignore, as terminals ignore unknown sequences
     if 1 <= cols <= 1000 and 1 <= rows <= 1000:
-        await svc.toolbox.resize_terminal(who, name, pid, cols=cols, rows=rows)
+        resize = partial(svc.toolbox.resize_terminal, who, name, pid, cols=cols, rows=rows)
+        await _past_the_limit(resize)
