@@ -20,10 +20,12 @@ Out, each with the `run` it belongs to: `ready` (once, when the kernel answers),
 `number_of_executions`, `stdout`, `stderr`, `result` (a MIME bundle: text, html, markdown, svg,
 png, jpeg, pdf, latex, json, javascript; `is_main_result` for the value of the last
 expression), `error` (name, value, traceback) and `end_of_execution`; `restarted` after a
-restart. A kernel that dies ends its run with an `error` named `KernelDied`, and the context
-can be restarted. Code still running `KILL_GRACE` seconds after its timeout's interrupt (it
-ignores SIGINT, or sits in one long C call) has its kernel restarted: the run ends with an
-`error` named `KernelRestarted`, and the runs after it get a fresh kernel, not a wait.
+restart. An `error` of no run names the `op` it ended (`start`: the first kernel did not
+start; `restart`), or none (a line in that was not a request). A kernel that dies ends its
+run with an `error` named `KernelDied`, and the context can be restarted. Code still running
+`KILL_GRACE` seconds after its timeout's interrupt (it ignores SIGINT, or sits in one long C
+call) has its kernel restarted: the run ends with an `error` named `KernelRestarted`, and the
+runs after it get a fresh kernel, not a wait.
 The kernel's sockets are files in /tmp (no network), its state dirs too.
 """
 
@@ -292,12 +294,15 @@ class Bridge:
                 else:  # its client left before its turn came
                     self.emit("end_of_execution", request.get("run"))
             except Exception as exc:  # never leave a run without its end
+                # a run's error is its run's; any other names its op (a failed restart)
+                about = {} if request.get("op") == "run" else {"op": request.get("op")}
                 self.emit(
                     "error",
                     request.get("run"),
                     name=type(exc).__name__,
                     value=str(exc),
                     traceback="",
+                    **about,
                 )
                 if request.get("op") == "run":
                     self.emit("end_of_execution", request.get("run"))
@@ -574,11 +579,7 @@ def main() -> int:
         bridge.start()
     except Exception as exc:
         bridge.emit(
-            "error",
-            None,
-            name=type(exc).__name__,
-            value=f"the kernel did not start: {exc}",
-            traceback="",
+            "error", None, op="start", name=type(exc).__name__, value=str(exc), traceback=""
         )
         return 1
     bridge.emit("ready", context=args.context)

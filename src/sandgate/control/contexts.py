@@ -40,7 +40,9 @@ LANGUAGES = ("python", "bash")  # an IPython kernel; a persistent bash (agent/ke
 DEFAULT_CONTEXT = "default"
 # the context a run without a context id goes to, per language (made by its first run)
 DEFAULT_CONTEXTS = MappingProxyType({"python": DEFAULT_CONTEXT, "bash": "default-bash"})
-READY_SECONDS = 60.0  # a kernel that does not answer within this is a failed create
+# a kernel that does not answer within this is a failed create: past the bridge's own
+# READY_TIMEOUT (60 s), so that a kernel that hangs is reported by the bridge, saying so
+READY_SECONDS = 70.0
 # what a kernel that died starting most often ran into, and what to do about it
 KERNEL_ROOM = (
     "a kernel needs room for its processes and threads and its memory: if the sandbox's "
@@ -189,21 +191,29 @@ class ContextService:
 
     async def _ready(self, tenant: TenantId, name: str, context: Context) -> Context:
         """Wait for the bridge's `ready` line: its kernel answers."""
-        await self._kernel_answers(tenant, name, context, 0, "ready")
+        ended = f"the kernel of context {context.id} exited while starting"
+        await self._kernel_answers(tenant, name, context, 0, ("ready", "start"), ended)
         return context
 
     async def _kernel_answers(
-        self, tenant: TenantId, name: str, context: Context, offset: int, wanted: str
+        self,
+        tenant: TenantId,
+        name: str,
+        context: Context,
+        offset: int,
+        wanted: tuple[str, str],
+        ended: str,
     ) -> None:
-        """Until the bridge's `wanted` line (`ready`, `restarted`) from `offset`: its kernel
-        answers. A line of an error of no run (its kernel could not start), the bridge's
-        exit, or `READY_SECONDS` without either fail the call, each saying so."""
+        """Until the bridge's line `wanted[0]` (`ready`, `restarted`) from `offset`: its
+        kernel answers. Its error of op `wanted[1]` (`start`, `restart`: the kernel could not
+        start), its exit (`ended` says so), or `READY_SECONDS` without any fail the call."""
+        line, op = wanted
         try:
             async with asyncio.timeout(READY_SECONDS):
                 async for event in self._events(tenant, name, context.pid, offset):
-                    if event.get("type") == wanted:
+                    if event.get("type") == line:
                         return
-                    if event.get("type") == "error" and event.get("run") is None:
+                    if event.get("type") == "error" and event.get("op") == op:
                         raise WorkerError(
                             f"the kernel of context {context.id} did not start: "
                             f"{event.get('value')} ({KERNEL_ROOM})"
@@ -213,7 +223,7 @@ class ContextService:
                 f"the kernel of context {context.id} did not answer within {READY_SECONDS:g} s"
                 f" ({KERNEL_ROOM})"
             ) from None
-        raise ConflictError(f"the kernel of context {context.id} exited while starting")
+        raise ConflictError(ended)
 
     async def delete(self, tenant: TenantId, name: str, context_id: str) -> None:
         """End the context: its kernel is shut down and its process has exited when this
@@ -237,7 +247,9 @@ class ContextService:
     async def restart(self, tenant: TenantId, name: str, context_id: str) -> Context:
         context = await self.get(tenant, name, context_id)
         await self._send(tenant, name, context.pid, {"op": "restart"})
-        await self._kernel_answers(tenant, name, context, context.output_end, "restarted")
+        ended = f"context {context_id} ended while restarting"
+        wanted = ("restarted", "restart")
+        await self._kernel_answers(tenant, name, context, context.output_end, wanted, ended)
         return context
 
     async def _follow_run(

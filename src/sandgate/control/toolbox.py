@@ -61,6 +61,7 @@ from sandgate.store.base import Sandbox, TenantId
 
 DEFAULT_CALL_SECONDS = 60.0
 RELAY_GRACE = 5.0  # the worker's relay may answer this long after the call's own time
+LIMIT_RETRY_FLOOR = 0.1  # seconds at least between two asks of a sandbox at its pids limit
 
 
 @dataclass(frozen=True)
@@ -482,7 +483,9 @@ class Toolbox:
                 # limit): it was never begun, so a long poll asks again within its own wait
                 if exc.limit != "pids" or deadline - clock() <= 0:
                     raise
-                await asyncio.sleep(min(exc.retry_after, deadline - clock()))
+                await asyncio.sleep(
+                    min(max(LIMIT_RETRY_FLOOR, exc.retry_after), deadline - clock())
+                )
                 continue
             return _page(parse(OutputReply, raw), payload)
 

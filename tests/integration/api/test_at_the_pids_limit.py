@@ -20,7 +20,7 @@ from urllib.parse import urlencode
 import httpx
 import pytest
 from e2b import Sandbox
-from websockets.asyncio.client import connect
+from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus
 
 from tests.e2b_scenarios import E2B
@@ -253,6 +253,25 @@ def test_refusals_at_the_limit_say_when_to_retry(
         assert json.loads(response.body)["error"]["limit"] == "pids"
 
 
+async def read_until(ws: ClientConnection, needle: bytes, seconds: float) -> None:
+    seen = b""
+    async with asyncio.timeout(seconds):
+        while needle not in seen:
+            message = await ws.recv()
+            seen += message if isinstance(message, bytes) else message.encode()
+
+
+async def bash_at_the_limit(
+    ws: ClientConnection, client: httpx.Client, name: str
+) -> tuple[int, list[threading.Thread]]:
+    """A terminal's shell seen answering, then the bomb started and every agent thread
+    taken (the bomb's pid and the followers holding the threads)."""
+    await ws.send(b"echo ready-$((1+1))\r")
+    await read_until(ws, b"ready-2", 15)
+    bomb = await asyncio.to_thread(start_bomb, client, name)
+    return bomb, await asyncio.to_thread(hold_every_thread, client, name, bomb)
+
+
 def test_a_terminal_in_use_outlives_a_moment_at_the_limit(
     deployment: Deployment, alpha: httpx.Client
 ) -> None:
@@ -264,26 +283,45 @@ def test_a_terminal_in_use_outlives_a_moment_at_the_limit(
         url += f"/api/v1/sandboxes/{name}/toolbox/pty?command=bash"
         headers = {"Authorization": f"Bearer {deployment.keys['alpha']}"}
 
-        async def session() -> bytes:
+        async def session() -> None:
             async with connect(url, additional_headers=headers) as ws:
-                await ws.send(b"echo ready-$((1+1))\r")
-                seen = b""
-                async with asyncio.timeout(15):
-                    while b"ready-2" not in seen:
-                        seen += await ws.recv()  # type: ignore[operator]
-                bomb = await asyncio.to_thread(start_bomb, alpha, name)
-                followers = await asyncio.to_thread(hold_every_thread, alpha, name, bomb)
+                bomb, followers = await bash_at_the_limit(ws, alpha, name)
                 await ws.send(b"echo hi-$((40+2))\r")  # refused: no thread takes it
                 await asyncio.sleep(1.5)
                 killed = await asyncio.to_thread(
                     alpha.post, f"{procs(name)}/{bomb}/signal", json={"signal": "SIGKILL"}
                 )
                 assert killed.status_code == 200, killed.text
-                seen = b""
-                async with asyncio.timeout(30):
-                    while b"hi-42" not in seen:
-                        seen += await ws.recv()  # type: ignore[operator]
+                await read_until(ws, b"hi-42", 30)  # the shell got the keys, and answered
                 await asyncio.to_thread(join, followers)
-                return seen
 
-        assert b"hi-42" in asyncio.run(session())
+        asyncio.run(session())
+
+
+def test_keys_waiting_out_the_limit_never_reach_the_shell_once_the_client_left(
+    deployment: Deployment, alpha: httpx.Client
+) -> None:
+    """Keys the agent refused for the limit are sent again, but only while their client is
+    there: sent once it had left, they would run a command nobody is watching."""
+    with small_sandbox(alpha) as name:
+        url = deployment.url.replace("http://", "ws://")
+        url += f"/api/v1/sandboxes/{name}/toolbox/pty?command=bash"
+        headers = {"Authorization": f"Bearer {deployment.keys['alpha']}"}
+        files = f"/api/v1/sandboxes/{name}/toolbox/files"
+
+        async def type_then_leave() -> tuple[int, list[threading.Thread]]:
+            async with connect(url, additional_headers=headers) as ws:
+                bomb, followers = await bash_at_the_limit(ws, alpha, name)
+                await ws.send(b"touch /workspace/typed-then-left\r")  # refused: no thread
+            return bomb, followers
+
+        bomb, followers = asyncio.run(type_then_leave())
+        time.sleep(1.5)  # the server saw the client leave while the keys waited
+        killed = alpha.post(f"{procs(name)}/{bomb}/signal", json={"signal": "SIGKILL"})
+        assert killed.status_code == 200, killed.text
+        wait_exited(alpha, name, bomb)
+        join(followers)
+        watched_until = time.monotonic() + 8  # keys still being sent arrive within ~2 s
+        while time.monotonic() < watched_until:
+            assert alpha.get(files, params={"path": "typed-then-left"}).status_code == 404
+            time.sleep(0.25)

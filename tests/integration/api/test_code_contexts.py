@@ -247,3 +247,20 @@ def test_a_run_right_after_an_interrupt_is_run_not_aborted(
         after = run(alpha, path, "n += 1; n", timeout=60)
         assert after[-1][1]["execution_count"] is not None, after
         assert of(after, "result")[0]["text"] == str(expected), after
+
+
+def test_a_restart_is_failed_only_by_its_own_error(alpha: httpx.Client, sandbox: str) -> None:
+    """A line the context's bridge rejects while its kernel restarts (someone wrote to its
+    stdin) is an error of no run too: it was taken for the restart failing (502)."""
+    base = f"/api/v1/sandboxes/{sandbox}"
+    ctx = alpha.post(f"{base}/contexts", json={}).json()["id"]
+    listed = alpha.get(f"{base}/toolbox/processes").json()["processes"]
+    bridge = next(p["pid"] for p in listed if f"--context {ctx}" in p["command"])
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        restarting = pool.submit(alpha.post, f"{base}/contexts/{ctx}/restart")
+        time.sleep(0.2)  # the restart is under way: a kernel takes about a second to start
+        junk = alpha.post(f"{base}/toolbox/processes/{bridge}/stdin", content=b"not json\n")
+        assert junk.status_code == 200, junk.text
+        restarted = restarting.result(timeout=90)
+    assert restarted.status_code == 200, restarted.text
+    assert alpha.delete(f"{base}/contexts/{ctx}").status_code == 204

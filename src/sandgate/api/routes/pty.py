@@ -13,6 +13,7 @@ from functools import partial
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, WebSocket
+from starlette.types import Message
 from starlette.websockets import WebSocketDisconnect
 
 from sandgate.api.deps import Services, presented_key, resolve_key, services, tenant, tenant_of
@@ -34,6 +35,7 @@ Svc = Annotated[Services, Depends(services)]
 PTY_PURPOSE = "pty"
 READ_WAIT = 15.0
 LIMIT_PATIENCE = 60.0  # seconds a terminal waits out its sandbox's pids limit, then ends
+LIMIT_RETRY_FLOOR = 0.1  # seconds at least between two asks of a sandbox at that limit
 
 
 @router.post(
@@ -102,10 +104,14 @@ async def pty(ws: WebSocket, name: str) -> None:
             await ws.close(1000)
 
 
-async def _past_the_limit(call: Callable[[], Awaitable[T]]) -> T:
+async def _past_the_limit(
+    call: Callable[[], Awaitable[T]], leaving: asyncio.Future[Message] | None = None
+) -> T:
     """`call()`, asked again after each refusal for the sandbox's pids limit for up to
     `LIMIT_PATIENCE` seconds: such a refusal comes before the agent begins the call, so
-    nothing is done twice, and a terminal outlives a moment of its sandbox at the limit."""
+    nothing is done twice, and a terminal outlives a moment of its sandbox at the limit.
+    `leaving`, the client's next message: once it is the client's disconnect, nothing more
+    is asked (keys it typed must not reach the shell after it left)."""
     give_up = time.monotonic() + LIMIT_PATIENCE
     while True:
         try:
@@ -113,7 +119,21 @@ async def _past_the_limit(call: Callable[[], Awaitable[T]]) -> T:
         except LimitExceededError as exc:
             if exc.limit != "pids" or time.monotonic() >= give_up:
                 raise
-            await asyncio.sleep(exc.retry_after)
+            pause = max(LIMIT_RETRY_FLOOR, exc.retry_after)
+            if leaving is not None and not leaving.done():
+                await asyncio.wait({leaving}, timeout=pause)
+            else:
+                await asyncio.sleep(pause)
+            if leaving is not None and _left(leaving):
+                raise WebSocketDisconnect(1001) from None
+
+
+def _left(receive: asyncio.Future[Message]) -> bool:
+    """Whether the client's next message, if it came, is its disconnect."""
+    if not receive.done() or receive.cancelled():
+        return False
+    failed = receive.exception()
+    return failed is not None or receive.result()["type"] == "websocket.disconnect"
 
 
 async def _pump_output(ws: WebSocket, svc: Services, who: TenantId, name: str, pid: int) -> None:
@@ -138,26 +158,39 @@ async def _pump_input(
     pid: int,
     output: asyncio.Task[None],
 ) -> None:
-    while not output.done():
-        receive = asyncio.ensure_future(ws.receive())
-        done, _ = await asyncio.wait({receive, output}, return_when=asyncio.FIRST_COMPLETED)
-        if receive not in done:
-            receive.cancel()
-            return  # the shell exited
-        message = receive.result()
-        if message["type"] == "websocket.disconnect":
-            output.cancel()
-            return
-        data = message.get("bytes")
-        if data:
-            await _past_the_limit(partial(svc.toolbox.write_terminal, who, name, pid, data))
-            continue
-        text = message.get("text")
-        if text:
-            await _control(svc, who, name, pid, text)
+    receive = asyncio.ensure_future(ws.receive())
+    try:
+        while not output.done():
+            done, _ = await asyncio.wait({receive, output}, return_when=asyncio.FIRST_COMPLETED)
+            if receive not in done:
+                return  # the shell exited
+            message = receive.result()
+            if message["type"] == "websocket.disconnect":
+                output.cancel()
+                return
+            # the next message is awaited meanwhile, so that a client leaving while a write
+            # waits out the sandbox's pids limit is seen leaving
+            receive = asyncio.ensure_future(ws.receive())
+            data = message.get("bytes")
+            if data:
+                write = partial(svc.toolbox.write_terminal, who, name, pid, data)
+                await _past_the_limit(write, receive)
+                continue
+            text = message.get("text")
+            if text:
+                await _control(svc, who, name, pid, text, receive)
+    finally:
+        receive.cancel()
 
 
-async def _control(svc: Services, who: TenantId, name: str, pid: int, text: str) -> None:
+async def _control(
+    svc: Services,
+    who: TenantId,
+    name: str,
+    pid: int,
+    text: str,
+    leaving: asyncio.Future[Message],
+) -> None:
     try:
         message = json.loads(text)
         if message.get("type") != "resize":
@@ -167,4 +200,4 @@ async def _control(svc: Services, who: TenantId, name: str, pid: int, text: str)
         return  # not a control message we know: ignore, as terminals ignore unknown sequences
     if 1 <= cols <= 1000 and 1 <= rows <= 1000:
         resize = partial(svc.toolbox.resize_terminal, who, name, pid, cols=cols, rows=rows)
-        await _past_the_limit(resize)
+        await _past_the_limit(resize, leaving)
