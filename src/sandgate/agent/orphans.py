@@ -41,6 +41,11 @@ else:
     from log import log
 
 SETTLE = 0.05  # seconds after a SIGCHLD before the scan: one scan for a burst of exits
+# the OOM score every process the agent starts begins with (the agent keeps the kernel's 0):
+# when its sandbox's processes fill its memory limit, the kernel kills one of them, however
+# small each is, never the agent first (a killed agent is a lost sandbox). Raised, not the
+# agent's lowered: lowering needs CAP_SYS_RESOURCE, which a worker may not have.
+USER_OOM_SCORE_ADJ = 500
 
 
 def _stat_fields(pid: int) -> list[bytes] | None:
@@ -61,10 +66,13 @@ def start_time(pid: int) -> bytes | None:
 
 
 class Reaper:
-    """The spawn guard and, for a pid 1, the reaper of orphaned zombies (module docstring)."""
+    """The spawn guard and, for a pid 1, the reaper of orphaned zombies (module docstring).
+    While a spawn holds the guard, the agent's OOM score is `USER_OOM_SCORE_ADJ`, which its
+    child inherits; the agent's own comes back once no spawn is under way."""
 
     __slots__ = (
         "_cond",
+        "_oom",
         "_owned",
         "_pid",
         "_reaping",
@@ -87,6 +95,7 @@ class Reaper:
         # the reading thread owes it (`reap_if_free`)
         self.owed = False
         self.wake_fd = -1  # readable when a SIGCHLD came (`start`); -1: not reaping
+        self._oom = OomScore.own()  # lifted by the first spawn under way, put back by the last
 
     # ------------------------------------------------------------------ the guard
 
@@ -98,6 +107,8 @@ class Reaper:
         with self._cond:
             while self._reaping:
                 self._cond.wait()
+            if not self._spawning:
+                self._oom.lift()
             self._spawning += 1
         return self
 
@@ -110,6 +121,7 @@ class Reaper:
         with self._cond:
             self._spawning -= 1
             if not self._spawning:
+                self._oom.put_back()
                 self._cond.notify_all()
 
     def own(self, pid: int) -> None:
@@ -209,6 +221,47 @@ class Reaper:
             self.reap()
         except Exception as exc:  # never the agent's end: the next SIGCHLD tries again
             log(f"reaper: {exc!r}")
+
+
+class OomScore:
+    """This process's `oom_score_adj`: kept, or lifted to `USER_OOM_SCORE_ADJ` for what it
+    starts meanwhile. Best effort: where /proc has none or refuses a write, it is left as
+    it is (and logged once)."""
+
+    __slots__ = ("_fd", "_kept", "_lifted")
+
+    def __init__(self, fd: int, kept: bytes) -> None:
+        self._fd = fd  # -1: not adjusted
+        self._kept = kept
+        self._lifted = str(USER_OOM_SCORE_ADJ).encode()
+
+    @classmethod
+    def own(cls) -> OomScore:
+        try:
+            fd = os.open("/proc/self/oom_score_adj", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return cls(-1, b"")
+        kept = os.pread(fd, 16, 0).strip()
+        if not kept.lstrip(b"-").isdigit() or int(kept) >= USER_OOM_SCORE_ADJ:
+            os.close(fd)  # already as high: its children are as likely to go as before
+            return cls(-1, b"")
+        return cls(fd, kept)
+
+    def lift(self) -> None:
+        self._write(self._lifted)
+
+    def put_back(self) -> None:
+        self._write(self._kept)
+
+    def _write(self, value: bytes) -> None:
+        if self._fd < 0:
+            return
+        try:
+            os.pwrite(self._fd, value, 0)
+        except OSError as exc:
+            log(f"oom_score_adj left as it is: {exc!r}")
+            os.close(self._fd)
+            self._fd = -1
 
 
 def _on_child(signum: int, frame: FrameType | None) -> None:

@@ -132,11 +132,15 @@ def test_proc_sys_unwritable(alpha: httpx.Client, sandbox: str) -> None:
     assert "WROTE" not in out["stdout"]
 
 
-def test_memory_limit(alpha: httpx.Client, deployment: Deployment) -> None:
-    workers = alpha.get("/api/v1/workers").json()["workers"]
+def skip_without_memory_limit(client: httpx.Client) -> None:
+    workers = client.get("/api/v1/workers").json()["workers"]
     limits = next(w for w in workers if w["name"] == "w1")["features"].get("limits", {})
     if not limits.get("memory"):
         pytest.skip("the worker does not enforce memory limits on this host")
+
+
+def test_memory_limit(alpha: httpx.Client, deployment: Deployment) -> None:
+    skip_without_memory_limit(alpha)
     name = alpha.post("/api/v1/sandboxes", json={"resources": {"memory_mb": 128}}).json()["name"]
     try:
         out = run(
@@ -148,6 +152,30 @@ def test_memory_limit(alpha: httpx.Client, deployment: Deployment) -> None:
         )
         assert out["exit_code"] != 0
         assert len(out["stdout"].split()) < 12  # killed well before 1 GiB
+        assert run(alpha, name, "echo alive")["stdout"] == "alive\n"
+    finally:
+        alpha.delete(f"/api/v1/sandboxes/{name}")
+
+
+def test_the_memory_limit_kills_the_users_processes_never_the_agent(alpha: httpx.Client) -> None:
+    """Processes each smaller than the agent that fill the memory limit together: the kernel
+    killed the largest process, the agent, and the sandbox was lost (error, code 137). What
+    the agent starts now begins with a higher OOM score than the agent's own."""
+    skip_without_memory_limit(alpha)
+    name = alpha.post("/api/v1/sandboxes", json={"resources": {"memory_mb": 128}}).json()["name"]
+    try:
+        scores = run(alpha, name, "cat /proc/1/oom_score_adj /proc/self/oom_score_adj")
+        assert scores["stdout"].split() == ["0", "500"]
+        # 40 subshells of ~4 MiB each (the agent holds ~12): 160 MiB in a 128 MiB limit
+        fill = (
+            "for i in $(seq 40); do (x=$(head -c 4000000 /dev/zero | tr '\\0' a); sleep 30) & done"
+        )
+        filled = alpha.post(
+            f"/api/v1/sandboxes/{name}/execute",
+            json={"code": f"{fill}; sleep 8; echo done", "timeout": 60},
+        )
+        assert filled.status_code == 200, filled.text
+        assert alpha.get(f"/api/v1/sandboxes/{name}").json()["state"] == "running"
         assert run(alpha, name, "echo alive")["stdout"] == "alive\n"
     finally:
         alpha.delete(f"/api/v1/sandboxes/{name}")
