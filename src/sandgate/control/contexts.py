@@ -191,7 +191,10 @@ class ContextService:
 
     async def _ready(self, tenant: TenantId, name: str, context: Context) -> Context:
         """Wait for the bridge's `ready` line: its kernel answers."""
-        ended = f"the kernel of context {context.id} exited while starting"
+        # its bridge gone before its kernel answered: most often the memory limit's doing
+        ended = WorkerError(
+            f"the kernel of context {context.id} exited while starting ({KERNEL_ROOM})"
+        )
         await self._kernel_answers(tenant, name, context, 0, ("ready", "start"), ended)
         return context
 
@@ -202,11 +205,11 @@ class ContextService:
         context: Context,
         offset: int,
         wanted: tuple[str, str],
-        ended: str,
+        ended: SandgateError,
     ) -> None:
         """Until the bridge's line `wanted[0]` (`ready`, `restarted`) from `offset`: its
         kernel answers. Its error of op `wanted[1]` (`start`, `restart`: the kernel could not
-        start), its exit (`ended` says so), or `READY_SECONDS` without any fail the call."""
+        start), its exit (raises `ended`), or `READY_SECONDS` without any fail the call."""
         line, op = wanted
         try:
             async with asyncio.timeout(READY_SECONDS):
@@ -223,7 +226,7 @@ class ContextService:
                 f"the kernel of context {context.id} did not answer within {READY_SECONDS:g} s"
                 f" ({KERNEL_ROOM})"
             ) from None
-        raise ConflictError(ended)
+        raise ended
 
     async def delete(self, tenant: TenantId, name: str, context_id: str) -> None:
         """End the context: its kernel is shut down and its process has exited when this
@@ -247,7 +250,7 @@ class ContextService:
     async def restart(self, tenant: TenantId, name: str, context_id: str) -> Context:
         context = await self.get(tenant, name, context_id)
         await self._send(tenant, name, context.pid, {"op": "restart"})
-        ended = f"context {context_id} ended while restarting"
+        ended = ConflictError(f"context {context_id} ended while restarting")
         wanted = ("restarted", "restart")
         await self._kernel_answers(tenant, name, context, context.output_end, wanted, ended)
         return context

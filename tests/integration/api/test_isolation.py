@@ -181,6 +181,20 @@ def test_the_memory_limit_kills_the_users_processes_never_the_agent(alpha: httpx
         alpha.delete(f"/api/v1/sandboxes/{name}")
 
 
+def test_a_kernel_with_no_memory_to_start_in_says_so(alpha: httpx.Client) -> None:
+    """A code context's bridge killed by the memory limit while its kernel started answered
+    409 "exited while starting", as if the context were being deleted meanwhile."""
+    skip_without_memory_limit(alpha)
+    name = alpha.post("/api/v1/sandboxes", json={"resources": {"memory_mb": 32}}).json()["name"]
+    try:
+        made = alpha.post(f"/api/v1/sandboxes/{name}/contexts", json={"language": "python"})
+        assert made.status_code == 502, made.text
+        assert "resources.memory_mb" in made.json()["error"]["message"]
+        assert alpha.get(f"/api/v1/sandboxes/{name}").json()["state"] == "running"
+    finally:
+        alpha.delete(f"/api/v1/sandboxes/{name}")
+
+
 def skip_without_pids_limit(client: httpx.Client) -> None:
     workers = client.get("/api/v1/workers").json()["workers"]
     if not next(w for w in workers if w["name"] == "w1")["features"].get("limits", {}).get("pids"):
