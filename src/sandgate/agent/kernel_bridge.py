@@ -151,6 +151,17 @@ class Bridge:
                 self.silent(f"[_sg_os.environ.pop(_sg_k, None) for _sg_k in {names!r}]")
             self.emit("end_of_execution", run)
 
+    def death(self) -> str:
+        """How the kernel ended, as far as its exit tells: a SIGKILL that no timeout here sent
+        is most often the sandbox's memory limit (the kernel's OOM killer)."""
+        process = getattr(self.manager.provisioner, "process", None)
+        if getattr(process, "returncode", None) == -signal.SIGKILL:
+            return (
+                "the kernel was killed (SIGKILL), most often by the sandbox's memory limit: "
+                "use less memory, or create the sandbox with a higher resources.memory_mb"
+            )
+        return "the kernel died"
+
     def silent(self, code: str) -> None:
         if not self.manager.is_alive():
             return
@@ -195,7 +206,7 @@ class Bridge:
                             "error",
                             run,
                             name="KernelDied",
-                            value="the kernel died: restart the context",
+                            value=f"{self.death()}: restart the context",
                             traceback="",
                         )
                     return False

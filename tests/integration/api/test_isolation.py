@@ -10,6 +10,8 @@ import httpx
 import pytest
 
 from tests.integration.api.conftest import RUNTIME, Deployment
+from tests.integration.api.test_code_contexts import of
+from tests.integration.api.test_code_contexts import run as run_code
 
 pytestmark = pytest.mark.skipif(RUNTIME != "bwrap", reason="isolation needs the bwrap runtime")
 
@@ -190,6 +192,21 @@ def test_a_kernel_with_no_memory_to_start_in_says_so(alpha: httpx.Client) -> Non
         made = alpha.post(f"/api/v1/sandboxes/{name}/contexts", json={"language": "python"})
         assert made.status_code == 502, made.text
         assert "resources.memory_mb" in made.json()["error"]["message"]
+        assert alpha.get(f"/api/v1/sandboxes/{name}").json()["state"] == "running"
+    finally:
+        alpha.delete(f"/api/v1/sandboxes/{name}")
+
+
+def test_code_killed_by_the_memory_limit_says_so(alpha: httpx.Client) -> None:
+    """A run whose kernel the memory limit killed ended with "the kernel died", which left
+    the user to guess why."""
+    skip_without_memory_limit(alpha)
+    name = alpha.post("/api/v1/sandboxes", json={"resources": {"memory_mb": 128}}).json()["name"]
+    try:
+        ran = run_code(alpha, f"/api/v1/sandboxes/{name}/run-code", "b = bytearray(400 << 20)")
+        died = of(ran, "error")
+        assert died and died[0]["name"] == "KernelDied", ran
+        assert "resources.memory_mb" in died[0]["value"], died
         assert alpha.get(f"/api/v1/sandboxes/{name}").json()["state"] == "running"
     finally:
         alpha.delete(f"/api/v1/sandboxes/{name}")
