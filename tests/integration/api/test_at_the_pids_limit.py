@@ -12,8 +12,6 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime
 from urllib.parse import urlencode
 
@@ -25,7 +23,7 @@ from websockets.exceptions import InvalidStatus
 
 from tests.e2b_scenarios import E2B
 from tests.integration.api.conftest import RUNTIME, Deployment, wait_until
-from tests.integration.api.test_isolation import skip_without_pids_limit
+from tests.integration.api.test_isolation import limited_sandbox
 
 pytestmark = pytest.mark.skipif(RUNTIME != "bwrap", reason="pid limits need the bwrap runtime")
 
@@ -46,18 +44,6 @@ FOLLOWERS = 6  # more than the agent keeps idle threads (4): every one of them i
 
 def procs(name: str) -> str:
     return f"/api/v1/sandboxes/{name}/toolbox/processes"
-
-
-@contextmanager
-def small_sandbox(client: httpx.Client, pids: int = 32) -> Iterator[str]:
-    skip_without_pids_limit(client)
-    made = client.post("/api/v1/sandboxes", json={"resources": {"pids": pids}})
-    assert made.status_code == 201, made.text
-    name = made.json()["name"]
-    try:
-        yield name
-    finally:
-        client.delete(f"/api/v1/sandboxes/{name}")
 
 
 def start_bomb(client: httpx.Client, name: str) -> int:
@@ -118,7 +104,7 @@ def test_a_fork_bomb_is_killed_while_every_agent_thread_is_taken(alpha: httpx.Cl
     """With every idle agent thread held by a follower's long poll and no pid free for
     another, the signal that would stop the bomb was refused (429) for as long as the bomb
     ran, which is forever. The agent's reading thread serves it itself now."""
-    with small_sandbox(alpha) as name:
+    with limited_sandbox(alpha, pids=32) as name:
         bomb = start_bomb(alpha, name)
         followers = hold_every_thread(alpha, name, bomb)
         killed = alpha.post(f"{procs(name)}/{bomb}/signal", json={"signal": "SIGKILL"})
@@ -143,7 +129,7 @@ def test_a_terminal_closed_at_the_pids_limit_is_killed(
     when an idle thread took it the timer could not start (io_error): either way, which the
     WebSocket's end swallows, a terminal that ignored the hangup ran on. Now the reading
     thread serves the close and sends SIGKILL at once."""
-    with small_sandbox(alpha) as name:
+    with limited_sandbox(alpha, pids=32) as name:
         query = urlencode({"command": "trap '' HUP; exec sleep 600"})
         url = deployment.url.replace("http://", "ws://")
         url += f"/api/v1/sandboxes/{name}/toolbox/pty?{query}"
@@ -179,7 +165,7 @@ def test_an_e2b_kill_reaches_a_sandbox_at_its_pids_limit(
     """E2B's `commands.kill` looked the process up first (to answer NOT_FOUND for one that
     is gone), and at the limit the look-up was refused: the kill failed with the bomb
     running. Now a look-up refused for the pids limit does not stop the signal."""
-    with small_sandbox(alpha) as name:
+    with limited_sandbox(alpha, pids=32) as name:
         bomb = start_bomb(alpha, name)
         followers = hold_every_thread(alpha, name, bomb)
         sandbox = Sandbox.connect(name, **E2B(deployment.keys["alpha"], deployment.url).options())
@@ -195,7 +181,7 @@ def test_a_context_restarted_at_the_limit_fails_at_once_and_says_why(
     """A restart whose new kernel could not start (the bomb took its pids) was seen only as
     silence: the call waited out its 60 s and answered 500. The bridge's error now ends it
     at once, as the worker's error, naming the limits a kernel needs room in."""
-    with small_sandbox(alpha) as name:
+    with limited_sandbox(alpha, pids=32) as name:
         made = alpha.post(f"/api/v1/sandboxes/{name}/contexts", json={"language": "python"})
         assert made.status_code == 201, made.text
         start_bomb(alpha, name)
@@ -213,7 +199,7 @@ def test_a_kernel_with_no_room_to_start_is_a_worker_error_that_names_the_limits(
 ) -> None:
     """An IPython kernel's processes and threads do not fit in 16 pids: it died starting,
     and the create answered 500 with an opaque message."""
-    with small_sandbox(alpha, pids=16) as name:
+    with limited_sandbox(alpha, pids=16) as name:
         made = alpha.post(f"/api/v1/sandboxes/{name}/contexts", json={"language": "python"})
         assert made.status_code == 502, made.text
         assert made.json()["error"]["code"] == "worker_error"
@@ -225,7 +211,7 @@ def test_refusals_at_the_limit_say_when_to_retry(
 ) -> None:
     """The code interpreter's routes and a terminal's WebSocket answered the pids limit's
     429 without `Retry-After` (the terminal's without the limit named in its body either)."""
-    with small_sandbox(alpha) as name:
+    with limited_sandbox(alpha, pids=32) as name:
         sandbox = Sandbox.connect(name, **E2B(deployment.keys["alpha"], deployment.url).options())
         start_bomb(alpha, name)
         headers = {
@@ -278,7 +264,7 @@ def test_a_terminal_in_use_outlives_a_moment_at_the_limit(
     """Keys typed while no agent thread could take them were refused (429), and the refusal
     ended the terminal's session, the shell with it. Now they are sent again once the
     limit passes, and the shell answers."""
-    with small_sandbox(alpha) as name:
+    with limited_sandbox(alpha, pids=32) as name:
         url = deployment.url.replace("http://", "ws://")
         url += f"/api/v1/sandboxes/{name}/toolbox/pty?command=bash"
         headers = {"Authorization": f"Bearer {deployment.keys['alpha']}"}
@@ -303,7 +289,7 @@ def test_keys_waiting_out_the_limit_never_reach_the_shell_once_the_client_left(
 ) -> None:
     """Keys the agent refused for the limit are sent again, but only while their client is
     there: sent once it had left, they would run a command nobody is watching."""
-    with small_sandbox(alpha) as name:
+    with limited_sandbox(alpha, pids=32) as name:
         url = deployment.url.replace("http://", "ws://")
         url += f"/api/v1/sandboxes/{name}/toolbox/pty?command=bash"
         headers = {"Authorization": f"Bearer {deployment.keys['alpha']}"}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -134,17 +136,27 @@ def test_proc_sys_unwritable(alpha: httpx.Client, sandbox: str) -> None:
     assert "WROTE" not in out["stdout"]
 
 
-def skip_without_memory_limit(client: httpx.Client) -> None:
+@contextmanager
+def limited_sandbox(client: httpx.Client, **resources: int) -> Iterator[str]:
+    """A sandbox with `resources` (`memory_mb`, `pids`), deleted after; the test is skipped
+    where the worker does not enforce one of them."""
     workers = client.get("/api/v1/workers").json()["workers"]
     limits = next(w for w in workers if w["name"] == "w1")["features"].get("limits", {})
-    if not limits.get("memory"):
-        pytest.skip("the worker does not enforce memory limits on this host")
+    for resource in resources:
+        kind = resource.removesuffix("_mb")
+        if not limits.get(kind):
+            pytest.skip(f"the worker does not enforce {kind} limits on this host")
+    made = client.post("/api/v1/sandboxes", json={"resources": resources})
+    assert made.status_code == 201, made.text
+    name = made.json()["name"]
+    try:
+        yield name
+    finally:
+        client.delete(f"/api/v1/sandboxes/{name}")
 
 
 def test_memory_limit(alpha: httpx.Client, deployment: Deployment) -> None:
-    skip_without_memory_limit(alpha)
-    name = alpha.post("/api/v1/sandboxes", json={"resources": {"memory_mb": 128}}).json()["name"]
-    try:
+    with limited_sandbox(alpha, memory_mb=128) as name:
         out = run(
             alpha,
             name,
@@ -155,17 +167,13 @@ def test_memory_limit(alpha: httpx.Client, deployment: Deployment) -> None:
         assert out["exit_code"] != 0
         assert len(out["stdout"].split()) < 12  # killed well before 1 GiB
         assert run(alpha, name, "echo alive")["stdout"] == "alive\n"
-    finally:
-        alpha.delete(f"/api/v1/sandboxes/{name}")
 
 
 def test_the_memory_limit_kills_the_users_processes_never_the_agent(alpha: httpx.Client) -> None:
     """Processes each smaller than the agent that fill the memory limit together: the kernel
     killed the largest process, the agent, and the sandbox was lost (error, code 137). What
     the agent starts now begins with a higher OOM score than the agent's own."""
-    skip_without_memory_limit(alpha)
-    name = alpha.post("/api/v1/sandboxes", json={"resources": {"memory_mb": 128}}).json()["name"]
-    try:
+    with limited_sandbox(alpha, memory_mb=128) as name:
         scores = run(alpha, name, "cat /proc/1/oom_score_adj /proc/self/oom_score_adj")
         assert scores["stdout"].split() == ["0", "500"]
         # 40 subshells of ~4 MiB each (the agent holds ~12): 160 MiB in a 128 MiB limit
@@ -179,49 +187,31 @@ def test_the_memory_limit_kills_the_users_processes_never_the_agent(alpha: httpx
         assert filled.status_code == 200, filled.text
         assert alpha.get(f"/api/v1/sandboxes/{name}").json()["state"] == "running"
         assert run(alpha, name, "echo alive")["stdout"] == "alive\n"
-    finally:
-        alpha.delete(f"/api/v1/sandboxes/{name}")
 
 
 def test_a_kernel_with_no_memory_to_start_in_says_so(alpha: httpx.Client) -> None:
     """A code context's bridge killed by the memory limit while its kernel started answered
     409 "exited while starting", as if the context were being deleted meanwhile."""
-    skip_without_memory_limit(alpha)
-    name = alpha.post("/api/v1/sandboxes", json={"resources": {"memory_mb": 32}}).json()["name"]
-    try:
+    with limited_sandbox(alpha, memory_mb=32) as name:
         made = alpha.post(f"/api/v1/sandboxes/{name}/contexts", json={"language": "python"})
         assert made.status_code == 502, made.text
         assert "resources.memory_mb" in made.json()["error"]["message"]
         assert alpha.get(f"/api/v1/sandboxes/{name}").json()["state"] == "running"
-    finally:
-        alpha.delete(f"/api/v1/sandboxes/{name}")
 
 
 def test_code_killed_by_the_memory_limit_says_so(alpha: httpx.Client) -> None:
     """A run whose kernel the memory limit killed ended with "the kernel died", which left
     the user to guess why."""
-    skip_without_memory_limit(alpha)
-    name = alpha.post("/api/v1/sandboxes", json={"resources": {"memory_mb": 128}}).json()["name"]
-    try:
+    with limited_sandbox(alpha, memory_mb=128) as name:
         ran = run_code(alpha, f"/api/v1/sandboxes/{name}/run-code", "b = bytearray(400 << 20)")
         died = of(ran, "error")
         assert died and died[0]["name"] == "KernelDied", ran
         assert "resources.memory_mb" in died[0]["value"], died
         assert alpha.get(f"/api/v1/sandboxes/{name}").json()["state"] == "running"
-    finally:
-        alpha.delete(f"/api/v1/sandboxes/{name}")
-
-
-def skip_without_pids_limit(client: httpx.Client) -> None:
-    workers = client.get("/api/v1/workers").json()["workers"]
-    if not next(w for w in workers if w["name"] == "w1")["features"].get("limits", {}).get("pids"):
-        pytest.skip("the worker does not enforce pid limits on this host")
 
 
 def test_pids_limit(alpha: httpx.Client) -> None:
-    skip_without_pids_limit(alpha)
-    name = alpha.post("/api/v1/sandboxes", json={"resources": {"pids": 32}}).json()["name"]
-    try:
+    with limited_sandbox(alpha, pids=32) as name:
         out = run(
             alpha,
             name,
@@ -246,8 +236,6 @@ def test_pids_limit(alpha: httpx.Client) -> None:
         started, refused = map(int, out["stdout"].split())
         assert started < 32, out
         assert refused > 0, out
-    finally:
-        alpha.delete(f"/api/v1/sandboxes/{name}")
 
 
 def test_a_sandbox_at_its_process_limit_keeps_its_agent(alpha: httpx.Client) -> None:
@@ -255,9 +243,7 @@ def test_a_sandbox_at_its_process_limit_keeps_its_agent(alpha: httpx.Client) -> 
     pids limit once ended the agent (a thread is a task too: it could not start one) and
     the sandbox with it. Now they are refused (429, the limit named) until some processes
     end, and the sandbox serves again after."""
-    skip_without_pids_limit(alpha)
-    name = alpha.post("/api/v1/sandboxes", json={"resources": {"pids": 32}}).json()["name"]
-    try:
+    with limited_sandbox(alpha, pids=32) as name:
         # children that outlive their parent: the agent's orphans, holding every pid for 4 s
         filled = run(
             alpha,
@@ -299,8 +285,6 @@ def test_a_sandbox_at_its_process_limit_keeps_its_agent(alpha: httpx.Client) -> 
             time.sleep(0.5)
         assert again.status_code == 200 and again.json()["stdout"] == "ok\n", again.text
         assert alpha.get(f"/api/v1/sandboxes/{name}").json()["state"] == "running"
-    finally:
-        alpha.delete(f"/api/v1/sandboxes/{name}")
 
 
 def test_workers_report_enforced_features(alpha: httpx.Client) -> None:
