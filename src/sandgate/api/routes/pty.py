@@ -20,6 +20,7 @@ from sandgate.api.deps import Services, presented_key, resolve_key, services, te
 from sandgate.api.errors import domain_response, status_of
 from sandgate.api.responses import JSON_BODY, SANDBOX, TENANT, error_docs
 from sandgate.api.schemas import PtyToken, PtyTokenOut
+from sandgate.control.toolbox import LIMIT_RETRY_FLOOR
 from sandgate.core.tokens import TokenError, sign, verify
 from sandgate.errors import AuthError, LimitExceededError, SandgateError
 from sandgate.store.base import TenantId
@@ -35,7 +36,6 @@ Svc = Annotated[Services, Depends(services)]
 PTY_PURPOSE = "pty"
 READ_WAIT = 15.0
 LIMIT_PATIENCE = 60.0  # seconds a terminal waits out its sandbox's pids limit, then ends
-LIMIT_RETRY_FLOOR = 0.1  # seconds at least between two asks of a sandbox at that limit
 
 
 @router.post(
