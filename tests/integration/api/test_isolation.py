@@ -174,7 +174,9 @@ def test_the_memory_limit_kills_the_users_processes_never_the_agent(alpha: httpx
     killed the largest process, the agent, and the sandbox was lost (error, code 137). What
     the agent starts now begins with a higher OOM score than the agent's own."""
     with limited_sandbox(alpha, memory_mb=128) as name:
-        scores = run(alpha, name, "cat /proc/1/oom_score_adj /proc/self/oom_score_adj")
+        # the agent's score is lifted while it starts a process, this command's own start
+        # too, which it may still be finishing when the command runs: read a moment later
+        scores = run(alpha, name, "sleep 1; cat /proc/1/oom_score_adj /proc/self/oom_score_adj")
         assert scores["stdout"].split() == ["0", "500"]
         # 40 subshells of ~4 MiB each (the agent holds ~12): 160 MiB in a 128 MiB limit
         fill = (
