@@ -2,10 +2,17 @@
 way (`open_write` with `commit`, `open_read` with `first`), a larger one streams in chunks,
 and an agent that predates the one-call forms (it ignores `commit` and `first`) still gets
 every file right by the long way. The real app, worker service and agent (see conftest); the
-relay is wrapped only to count the calls and, for the old agent, to drop the new fields."""
+relay is wrapped only to count, delay or fail the calls and, for the old agent, to drop the
+new fields.
+
+Where the agent takes offsets, the chunk calls of a larger file are under way several at a
+time (`control/transfers.py`): the tests below check that they are, that their order on the
+way does not matter, that an old agent still gets them one at a time, and that a failure
+leaves nothing behind, no temp file and no call still running."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +21,8 @@ from typing import Any
 import pytest
 
 from sandgate.config import ServerSettings
+from sandgate.control.transfers import WINDOW
+from sandgate.errors import StorageFullError
 from tests.fast.conftest import Fast
 
 pytestmark = pytest.mark.anyio
@@ -30,14 +39,18 @@ def agent_ops(fast: Fast, *, old_agent: bool = False) -> Iterator[list[str]]:
     seen: list[str] = []
 
     async def relay(worker: Any, op: str, fields: dict[str, Any], *a: Any, **kw: Any) -> Any:
-        if op == "agent":
-            call = dict(fields["call"])
-            seen.append(call["op"])
-            if old_agent:
-                call.pop("commit", None) if call["op"] == "open_write" else None
-                call.pop("first", None)  # what an agent that ignores them acts on
-                fields = {**fields, "call": call}
-        return await real(worker, op, fields, *a, **kw)
+        if op != "agent":
+            return await real(worker, op, fields, *a, **kw)
+        call = dict(fields["call"])
+        seen.append(call["op"])
+        if not old_agent:
+            return await real(worker, op, fields, *a, **kw)
+        call.pop("commit", None) if call["op"] == "open_write" else None
+        call.pop("first", None)  # what an agent that ignores them acts on
+        call.pop("offset", None)
+        reply, payload = await real(worker, op, {**fields, "call": call}, *a, **kw)
+        reply = {k: v for k, v in reply.items() if k != "offsets"}  # it never says it takes them
+        return reply, payload
 
     workers.request = relay  # type: ignore[method-assign]
     try:
@@ -91,3 +104,86 @@ async def test_one_call_errors_are_the_long_ways(fast: Fast) -> None:
     assert missing.status_code == 404, missing.text
     listed = await fast.api.get(f"{files}/list", params={"path": "/workspace"})
     assert listed.json()["entries"] == []  # no temp file left by the refused write
+
+
+@contextmanager
+def chunk_calls(
+    fast: Fast, *, delay_first: float = 0.0, fail: int | None = None, slow: float = 0.0
+) -> Iterator[dict[str, int]]:
+    """Count the `write` and `read` calls under way at once (`most`) and still under way
+    (`now`); hold the first of them back `delay_first` s so the next ones overtake it;
+    fail the `fail`-th (from 1) with the error a full disk gives, after `slow` more s
+    for every other."""
+    workers = fast.services.workers
+    real = workers.request
+    counts = {"now": 0, "most": 0, "seen": 0}
+
+    async def relay(worker: Any, op: str, fields: dict[str, Any], *a: Any, **kw: Any) -> Any:
+        if op != "agent" or fields["call"]["op"] not in ("write", "read"):
+            return await real(worker, op, fields, *a, **kw)
+        counts["seen"] += 1
+        nth = counts["seen"]
+        counts["now"] += 1
+        counts["most"] = max(counts["most"], counts["now"])
+        try:
+            if nth == 1 and delay_first:
+                await asyncio.sleep(delay_first)
+            if nth == fail:
+                await asyncio.sleep(0.05)  # the others are under way meanwhile
+                raise StorageFullError("no space left on the sandbox's disk")
+            await asyncio.sleep(slow)
+            return await real(worker, op, fields, *a, **kw)
+        finally:
+            counts["now"] -= 1
+
+    workers.request = relay  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        workers.request = real  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("old_agent", [False, True])
+async def test_a_large_files_chunks_are_under_way_together_in_any_order(
+    fast: Fast, old_agent: bool
+) -> None:
+    name = await new_sandbox(fast)
+    files = f"/api/v1/sandboxes/{name}/toolbox/files"
+    data = os.urandom(6 * CHUNK + 7)
+    with agent_ops(fast, old_agent=old_agent), chunk_calls(fast, delay_first=0.2) as counts:
+        put = await fast.api.put(files, params={"path": "big.bin"}, content=data)
+    assert put.status_code == 200 and put.json()["size"] == len(data), put.text
+    # the first write arrived last: only a write at its own offset puts it in its place
+    assert counts["most"] == (1 if old_agent else WINDOW), counts
+    with agent_ops(fast, old_agent=old_agent), chunk_calls(fast, delay_first=0.2) as counts:
+        got = await fast.api.get(files, params={"path": "big.bin"})
+    assert got.status_code == 200 and got.content == data  # the first read answered last
+    assert counts["most"] == (1 if old_agent else WINDOW), counts
+
+
+async def test_a_failed_chunk_fails_the_upload_and_leaves_nothing_running(fast: Fast) -> None:
+    name = await new_sandbox(fast)
+    files = f"/api/v1/sandboxes/{name}/toolbox/files"
+    with chunk_calls(fast, fail=1, slow=2.0) as counts:
+        put = await fast.api.put(files, params={"path": "big.bin"}, content=os.urandom(6 * CHUNK))
+        # the writes behind the failed one were cancelled and had ended before the answer
+        assert counts["now"] == 0, counts
+    assert put.status_code == 507, put.text
+    assert counts["most"] == counts["seen"] == WINDOW, counts  # none started after it
+    listed = await fast.api.get(f"{files}/list", params={"path": "/workspace"})
+    assert listed.json()["entries"] == []  # neither the file nor its temp file
+
+
+async def test_a_failed_read_ends_the_download_and_leaves_nothing_running(fast: Fast) -> None:
+    name = await new_sandbox(fast)
+    files = f"/api/v1/sandboxes/{name}/toolbox/files"
+    put = await fast.api.put(files, params={"path": "big.bin"}, content=os.urandom(6 * CHUNK))
+    assert put.status_code == 200, put.text
+    with chunk_calls(fast, fail=1, slow=2.0) as counts:
+        # the body breaks off after its headers: the ASGI transport raises the app's error
+        # (a server cuts the connection)
+        with pytest.raises(StorageFullError):
+            await fast.api.get(files, params={"path": "big.bin"})
+        # the reads behind the failed one were cancelled and had ended when the body broke off
+        assert counts["now"] == 0, counts
+    assert counts["most"] == counts["seen"] == WINDOW, counts

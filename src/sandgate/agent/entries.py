@@ -104,12 +104,16 @@ def not_readable(opened: os.stat_result, spath: str) -> tuple[str, str] | None:
     return None
 
 
-def read_up_to(fd: int, length: int) -> bytes:
-    """Up to `length` bytes from `fd`: fewer only at its end."""
+def read_up_to(fd: int, length: int, offset: int | None = None) -> bytes:
+    """Up to `length` bytes from `fd` (at `offset`, or at its position): fewer only at its
+    end."""
     chunks: list[bytes] = []
     remaining = length
     while remaining:
-        chunk = os.read(fd, remaining)
+        if offset is None:
+            chunk = os.read(fd, remaining)
+        else:
+            chunk = os.pread(fd, remaining, offset + length - remaining)
         if not chunk:
             break
         chunks.append(chunk)
@@ -117,8 +121,12 @@ def read_up_to(fd: int, length: int) -> bytes:
     return b"".join(chunks)
 
 
-def write_all(fd: int, data: bytes) -> None:
-    """All of `data` to `fd`."""
+def write_all(fd: int, data: bytes, offset: int | None = None) -> None:
+    """All of `data` to `fd` (at `offset`, or at its position)."""
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view) :]
+        if offset is None:
+            view = view[os.write(fd, view) :]
+        else:
+            done = os.pwrite(fd, view, offset + len(data) - len(view))
+            view = view[done:]

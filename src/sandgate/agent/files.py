@@ -224,7 +224,7 @@ def op_open_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, b
         os.close(fd)  # all of it is in this answer (what was read is the size it has now)
         return {"handle": None, "size": len(head), "first": len(head), "eof": True}, head
     hid = _register(st, Handle("read", fd, target.spath))
-    answer: Header = {"handle": hid, "size": opened.st_size}
+    answer: Header = {"handle": hid, "size": opened.st_size, "offsets": True}
     if first:
         answer.update(first=len(head), eof=False)
     return answer, head
@@ -235,10 +235,11 @@ def op_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]
     length = int_field(req, "length")
     if not 0 < length <= MAX_READ_LENGTH:
         raise AgentError("invalid_request", f"'length' must be between 1 and {MAX_READ_LENGTH}")
+    offset = _offset(req)
     with handle.lock:
         if handle.closed:
             raise AgentError("not_found", "the handle was closed")
-        return {}, entries.read_up_to(handle.fd, length)
+        return {}, entries.read_up_to(handle.fd, length, offset)
 
 
 def op_close_read(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
@@ -267,7 +268,7 @@ def op_open_write(st: AgentState, req: Header, payload: bytes) -> tuple[Header, 
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     handle = Handle("write", fd, target.spath, target.real, temp)
     if not commit:
-        return {"handle": _register(st, handle)}, b""
+        return {"handle": _register(st, handle), "offsets": True}, b""
     with handle.lock:
         try:
             entries.write_all(handle.fd, payload)
@@ -291,11 +292,24 @@ def _commit(handle: Handle) -> Header:
 
 def op_write(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:
     handle = _lookup(st, req, "write")
+    offset = _offset(req)
     with handle.lock:
         if handle.closed:
             raise AgentError("not_found", "the handle was closed")
-        entries.write_all(handle.fd, payload)
+        entries.write_all(handle.fd, payload, offset)
     return {"written": len(payload)}, b""
+
+
+def _offset(req: Header) -> int | None:
+    """A read's or write's ``offset`` in its file, if it names one: then it does not depend
+    on the handle's position, so a worker may have several of them under way at once and
+    in any order (the answers of ``open_read`` and ``open_write`` say ``offsets``)."""
+    if req.get("offset") is None:
+        return None
+    offset = int_field(req, "offset")
+    if offset < 0:
+        raise AgentError("invalid_request", "'offset' must be at least 0")
+    return offset
 
 
 def op_close_write(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]:

@@ -36,16 +36,14 @@ class EntriesReply(_Reply):
     entries: list[Entry]
 
 
-class HandleReply(_Reply):
-    handle: int | str
-
-
 class OpenWriteReply(_Reply):
     """`open_write`: a handle, or with `commit` (the file in one call) its entry; an agent
-    that predates `commit` answers a handle only, and the caller goes on the long way."""
+    that predates `commit` answers a handle only, and the caller goes on the long way.
+    `offsets`: the handle's writes may name their offset (so several may be under way)."""
 
     handle: int | str | None = None
     entry: Entry | None = None
+    offsets: bool = False
 
 
 class OpenReadReply(_Reply):
@@ -57,6 +55,7 @@ class OpenReadReply(_Reply):
     size: int = Field(ge=0)
     first: int | None = Field(default=None, ge=0)
     eof: bool = False
+    offsets: bool = False  # the handle's reads may name their offset
 
 
 class ExecReply(_Reply):

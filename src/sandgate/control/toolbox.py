@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sandgate.agent.frames import Header
+from sandgate.control import transfers
 from sandgate.control.replies import (
     EntriesReply,
     Entry,
     EntryReply,
     ExecReply,
     ExportedLayer,
-    HandleReply,
     MetricsReply,
     OpenReadReply,
     OpenWriteReply,
@@ -184,10 +184,11 @@ class Toolbox:
         max_bytes: int,
         declared_size: int | None = None,
     ) -> Entry:
-        """Write a file from a stream, `chunk_bytes` per call, each acknowledged before the
-        next, so no hop holds the whole file. It appears at `path` only when complete; on
-        any failure the partial file is discarded. A file of at most `chunk_bytes` goes in
-        one call (`open_write` with `commit`): one round trip instead of three."""
+        """Write a file from a stream, `chunk_bytes` per call, a few under way at once
+        (`transfers.WINDOW`), so no hop holds the whole file. It appears at `path` only
+        when complete; on any failure the partial file is discarded. A file of at most
+        `chunk_bytes` goes in one call (`open_write` with `commit`): one round trip instead
+        of three."""
         sandbox = await self.sandboxes.running(tenant, name)
         _refuse_past_the_quota(sandbox, declared_size)
         pieces = _at_most(data, max_bytes)
@@ -207,36 +208,45 @@ class Toolbox:
                 raise WorkerError("the agent answered open_write with neither handle nor entry")
             # an agent without one-call writes opened a handle: write through it (the body
             # is all in `pending`, `pieces` has no more)
-            return await self._write_through(
-                tenant, name, opened.handle, pending, pieces, chunk_bytes
-            )
+            return await self._write_through(tenant, name, opened, pending, pieces, chunk_bytes)
         raw, _ = await self.agent_call(tenant, name, "open_write", {"path": path})
-        handle = parse(HandleReply, raw).handle
-        return await self._write_through(tenant, name, handle, pending, pieces, chunk_bytes)
+        opened = parse(OpenWriteReply, raw)
+        return await self._write_through(tenant, name, opened, pending, pieces, chunk_bytes)
 
     async def _write_through(
         self,
         tenant: TenantId,
         name: str,
-        handle: int | str,
+        opened: OpenWriteReply,
         pending: bytearray,
         rest: AsyncIterator[bytes],
         chunk_bytes: int,
     ) -> Entry:
         """Write `pending` then the `rest` of the body through an open handle, a chunk per
-        call, and commit it; discarded on any failure."""
+        call, and commit it; discarded on any failure. Where the agent takes offsets, up to
+        `transfers.WINDOW` writes are under way at once; else one after another."""
+        handle = opened.handle
+        if handle is None:
+            raise WorkerError("the agent answered open_write with neither handle nor entry")
+
+        async def write(offset: int, data: bytes) -> None:
+            fields = {"handle": handle, "offset": offset} if opened.offsets else {"handle": handle}
+            await self.agent_call(tenant, name, "write", fields, data)
+
+        writes = transfers.Writes(write, transfers.WINDOW if opened.offsets else 1)
         committed = False
         try:
             while True:
                 while len(pending) >= chunk_bytes:
-                    await self._write(tenant, name, handle, bytes(pending[:chunk_bytes]))
+                    await writes.put(bytes(pending[:chunk_bytes]))
                     del pending[:chunk_bytes]
                 piece = await anext(rest, None)
                 if piece is None:
                     break
                 pending += piece
             if pending:
-                await self._write(tenant, name, handle, bytes(pending))
+                await writes.put(bytes(pending))
+            await writes.finish()
             raw, _ = await self.agent_call(
                 tenant, name, "close_write", {"handle": handle, "commit": True}
             )
@@ -244,10 +254,8 @@ class Toolbox:
             return parse(EntryReply, raw).entry
         finally:
             if not committed:
+                await asyncio.shield(writes.abandon())
                 await asyncio.shield(self._discard(tenant, name, handle))
-
-    async def _write(self, tenant: TenantId, name: str, handle: int | str, data: bytes) -> None:
-        await self.agent_call(tenant, name, "write", {"handle": handle}, data)
 
     async def _discard(self, tenant: TenantId, name: str, handle: int | str) -> None:
         with contextlib.suppress(SandgateError):  # the agent closes idle handles itself
@@ -268,18 +276,34 @@ class Toolbox:
         elif len(head) != opened.first or len(head) > size:
             raise WorkerError(f"the agent's first bytes of {path} do not match its answer")
 
+        async def read(offset: int, length: int) -> bytes:
+            fields: dict[str, Any] = {"handle": handle, "length": length}
+            if opened.offsets:
+                fields["offset"] = offset
+            _, data = await self.agent_call(tenant, name, "read", fields)
+            return data
+
         async def chunks() -> AsyncIterator[bytes]:
-            sent = len(head)
             try:
-                if head:
-                    yield head
-                while sent < size and handle is not None:
-                    fields = {"handle": handle, "length": min(chunk_bytes, size - sent)}
-                    _, data = await self.agent_call(tenant, name, "read", fields)
-                    if not data or len(data) > size - sent:
-                        raise WorkerError(f"{path} changed size while it was being downloaded")
-                    sent += len(data)
-                    yield data
+                if handle is None:
+                    if head:
+                        yield head
+                    return
+                # where the agent takes offsets, reads run ahead of the client; else one at
+                # a time, each where the handle's position is
+                window = transfers.WINDOW if opened.offsets else 1
+                rest = transfers.ReadAhead(read, len(head), size, chunk_bytes, window)
+                try:
+                    if head:
+                        yield head
+                    async for data in rest:
+                        yield data
+                except transfers.ChangedSizeError:
+                    raise WorkerError(
+                        f"{path} changed size while it was being downloaded"
+                    ) from None
+                finally:
+                    await rest.aclose()
             finally:
                 if handle is not None:
                     with contextlib.suppress(SandgateError):

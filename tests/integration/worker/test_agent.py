@@ -456,6 +456,29 @@ def test_pipelined_handle_operations_run_in_order(agent: Agent) -> None:
     agent.ok("close_read", handle=opened["handle"])
 
 
+def test_writes_and_reads_at_offsets_do_not_depend_on_their_order(agent: Agent) -> None:
+    chunks = [bytes([i + 1]) * (64 << 10) for i in range(8)]
+    opened = agent.ok("open_write", path="at.bin")
+    assert opened["offsets"] is True
+    size = 64 << 10
+    for i in (5, 0, 7, 2, 1, 6, 3, 4):  # out of order: a position-based write would garble
+        written = agent.ok("write", chunks[i], handle=opened["handle"], offset=i * size)
+        assert written["written"] == size
+    assert agent.ok("close_write", handle=opened["handle"], commit=True)["entry"]["size"] == (
+        8 * size
+    )
+    assert (agent.workspace / "at.bin").read_bytes() == b"".join(chunks)
+    reading = agent.ok("open_read", path="at.bin")
+    assert reading["offsets"] is True
+    for i in (6, 1, 3):
+        header, body = agent.call("read", handle=reading["handle"], length=size, offset=i * size)
+        assert header["ok"] and body == chunks[i], header
+    header, body = agent.call("read", handle=reading["handle"], length=size, offset=8 * size)
+    assert header["ok"] and body == b""  # past the end: nothing, as at the end of a file
+    assert agent.error("read", handle=reading["handle"], length=1, offset=-1) == "invalid_request"
+    agent.ok("close_read", handle=reading["handle"])
+
+
 def test_write_replaces_atomically_and_abort_discards(agent: Agent) -> None:
     _write_file(agent, "f.txt", b"first")
     handle = agent.ok("open_write", path="f.txt")["handle"]

@@ -1,7 +1,7 @@
 """`/api/v1/sandboxes/{name}/toolbox/files`: streamed upload/download and file operations.
 
-Data crosses the tunnel in chunks of `file_chunk_bytes`, each acknowledged before the next
-is sent, so neither end holds a whole file in memory.
+Data crosses the tunnel in chunks of `file_chunk_bytes`, a few of a file under way at once
+(`control/transfers.py`), so neither end holds a whole file in memory.
 """
 
 from __future__ import annotations

@@ -1,0 +1,114 @@
+"""A large file's chunks on their way to or from a sandbox, a few at a time.
+
+A file larger than one chunk goes through a handle in the sandbox, a call per chunk. One call
+at a time left every process on the way idle while another worked: the server read the body
+while the chunk before it waited for nothing, the agent wrote while the server waited for
+its answer. Here up to `WINDOW` chunk calls are under way together (docs/benchmarks.md,
+"Session 21"). Each call names its offset in the file (the agent's `offsets`), so the
+order in which calls arrive does not matter: a forwarded call may overtake another.
+
+Memory stays bounded: a transfer holds at most `WINDOW` chunks in calls under way, beside
+the one the client is sending or receiving. The first failed call fails the transfer; the
+calls still under way are cancelled and awaited before the caller cleans up, so nothing
+of the transfer is left running behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+WINDOW = 4  # chunk calls under way at once, per transfer
+
+Write = Callable[[int, bytes], Awaitable[None]]  # (offset, data)
+Read = Callable[[int, int], Awaitable[bytes]]  # (offset, length) -> data
+
+
+class ChangedSizeError(Exception):
+    """A read came back shorter than asked, before the end the file had when opened."""
+
+
+class Writes:
+    """The writes of one upload, in the order of the file, up to `window` under way: `put`
+    each chunk, then `finish` (raises the first failure) or `abandon`."""
+
+    def __init__(self, write: Write, window: int = WINDOW) -> None:
+        if window < 1:
+            raise ValueError("a window holds at least one write")
+        self._write = write
+        self._window = window
+        self._under_way: deque[asyncio.Future[None]] = deque()
+        self.offset = 0  # where the next chunk goes
+
+    async def put(self, data: bytes) -> None:
+        """Start the write of `data` at the current offset, once the window has room
+        (waiting for the oldest write, whose failure is raised here)."""
+        while len(self._under_way) >= self._window:
+            await self._under_way[0]
+            self._under_way.popleft()
+        self._under_way.append(asyncio.ensure_future(self._write(self.offset, data)))
+        self.offset += len(data)
+
+    async def finish(self) -> None:
+        """Wait for every write, oldest first; the first failure is raised."""
+        while self._under_way:
+            await self._under_way[0]
+            self._under_way.popleft()
+
+    async def abandon(self) -> None:
+        """Cancel the writes still under way and wait until each has ended."""
+        await _cancel_all(self._under_way)
+        self._under_way.clear()
+
+
+class ReadAhead:
+    """The file's bytes from `start` to `size`, `chunk` per read, in order. Reads start at
+    once and run up to `window` ahead of the consumer. A short read before `size` means the
+    file shrank: ChangedSizeError. `aclose` cancels the reads still under way."""
+
+    def __init__(self, read: Read, start: int, size: int, chunk: int, window: int = WINDOW):
+        if window < 1 or chunk < 1:
+            raise ValueError("a window holds at least one read of at least one byte")
+        self._read = read
+        self._size = size
+        self._chunk = chunk
+        self._window = window
+        self._offset = start  # where the next read starts
+        self._under_way: deque[tuple[int, asyncio.Future[bytes]]] = deque()
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._offset < self._size and len(self._under_way) < self._window:
+            length = min(self._chunk, self._size - self._offset)
+            self._under_way.append(
+                (length, asyncio.ensure_future(self._read(self._offset, length)))
+            )
+            self._offset += length
+
+    def __aiter__(self) -> ReadAhead:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if not self._under_way:
+            raise StopAsyncIteration
+        length, task = self._under_way[0]
+        data = await task
+        self._under_way.popleft()
+        if len(data) != length:
+            raise ChangedSizeError(f"a read of {length} bytes gave {len(data)}")
+        self._fill()
+        return data
+
+    async def aclose(self) -> None:
+        await _cancel_all(task for _, task in self._under_way)
+        self._under_way.clear()
+
+
+async def _cancel_all(tasks: Iterable[asyncio.Future[Any]]) -> None:
+    tasks = list(tasks)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
