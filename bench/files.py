@@ -11,8 +11,8 @@ the sandbox, a call per chunk. Prints p50 and p99 of each and the milliseconds p
 
 With `--baseline`, a second server and worker run that checkout's code (its `src` first on
 PYTHONPATH: e.g. `git worktree add /tmp/base <commit>`), and every upload and download is
-done on both, alternating, so both see the same machine; each line then shows the baseline's
-p50 beside this checkout's and their ratio.
+done on both, alternating (each goes first every other time), so both see the same machine;
+each line then shows the baseline's p50 beside this checkout's and their ratio.
 """
 
 from __future__ import annotations
@@ -88,8 +88,10 @@ def main() -> None:
             data = os.urandom(size)
             times: dict[str, list[float]] = {k: [] for k in ("up", "down", "base up", "base down")}
             for i in range(args.n + 2):  # the first two warm up
+                if theirs is not None and i % 2:  # each goes first every other time
+                    base_up, base_down = round_trip(*theirs, data)
                 up, down = round_trip(*ours, data)
-                if theirs is not None:
+                if theirs is not None and not i % 2:
                     base_up, base_down = round_trip(*theirs, data)
                 if i >= 2:
                     times["up"].append(up)

@@ -192,14 +192,15 @@ class Toolbox:
         sandbox = await self.sandboxes.running(tenant, name)
         _refuse_past_the_quota(sandbox, declared_size)
         pieces = _at_most(data, max_bytes)
-        pending = bytearray()
+        held = transfers.Chunker(chunk_bytes)
         async for piece in pieces:
-            pending += piece
-            if len(pending) > chunk_bytes:
+            held.add(piece)
+            if held.held > chunk_bytes:
                 break
         else:  # the whole body came within one chunk
+            whole = held.rest()
             raw, _ = await self.agent_call(
-                tenant, name, "open_write", {"path": path, "commit": True}, bytes(pending)
+                tenant, name, "open_write", {"path": path, "commit": True}, whole
             )
             opened = parse(OpenWriteReply, raw)
             if opened.entry is not None:
@@ -207,24 +208,24 @@ class Toolbox:
             if opened.handle is None:
                 raise WorkerError("the agent answered open_write with neither handle nor entry")
             # an agent without one-call writes opened a handle: write through it (the body
-            # is all in `pending`, `pieces` has no more)
-            return await self._write_through(tenant, name, opened, pending, pieces, chunk_bytes)
+            # is all in `whole`, `pieces` has no more)
+            held.add(whole)
+            return await self._write_through(tenant, name, opened, held, pieces)
         raw, _ = await self.agent_call(tenant, name, "open_write", {"path": path})
         opened = parse(OpenWriteReply, raw)
-        return await self._write_through(tenant, name, opened, pending, pieces, chunk_bytes)
+        return await self._write_through(tenant, name, opened, held, pieces)
 
     async def _write_through(
         self,
         tenant: TenantId,
         name: str,
         opened: OpenWriteReply,
-        pending: bytearray,
+        held: transfers.Chunker,
         rest: AsyncIterator[bytes],
-        chunk_bytes: int,
     ) -> Entry:
-        """Write `pending` then the `rest` of the body through an open handle, a chunk per
-        call, and commit it; discarded on any failure. Where the agent takes offsets, up to
-        `transfers.WINDOW` writes are under way at once; else one after another."""
+        """Write what is `held` then the `rest` of the body through an open handle, a chunk
+        per call, and commit it; discarded on any failure. Where the agent takes offsets, up
+        to `transfers.WINDOW` writes are under way at once; else one after another."""
         handle = opened.handle
         if handle is None:
             raise WorkerError("the agent answered open_write with neither handle nor entry")
@@ -237,15 +238,14 @@ class Toolbox:
         committed = False
         try:
             while True:
-                while len(pending) >= chunk_bytes:
-                    await writes.put(bytes(pending[:chunk_bytes]))
-                    del pending[:chunk_bytes]
+                while (chunk := held.full()) is not None:
+                    await writes.put(chunk)
                 piece = await anext(rest, None)
                 if piece is None:
                     break
-                pending += piece
-            if pending:
-                await writes.put(bytes(pending))
+                held.add(piece)
+            if held.held:
+                await writes.put(held.rest())
             await writes.finish()
             raw, _ = await self.agent_call(
                 tenant, name, "close_write", {"handle": handle, "commit": True}

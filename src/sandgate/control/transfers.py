@@ -30,6 +30,50 @@ class ChangedSizeError(Exception):
     """A read came back shorter than asked, before the end the file had when opened."""
 
 
+class Chunker:
+    """A body's pieces gathered into chunks of `size` bytes. The pieces are kept as they
+    come and joined once a chunk is whole, so each byte is copied once on its way to a
+    chunk (a bytearray grown by the pieces and sliced into chunks copied most of them
+    three times)."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError("a chunk holds at least one byte")
+        self._size = size
+        self._parts: deque[memoryview] = deque()
+        self.held = 0  # bytes added and not yet taken
+
+    def add(self, piece: bytes) -> None:
+        if piece:
+            self._parts.append(memoryview(piece))
+            self.held += len(piece)
+
+    def full(self) -> bytes | None:
+        """The next whole chunk, if one is held."""
+        return self._take(self._size) if self.held >= self._size else None
+
+    def rest(self) -> bytes:
+        """All that is held (less than a chunk once `full` gave None)."""
+        return self._take(self.held)
+
+    def _take(self, size: int) -> bytes:
+        taken: list[memoryview] = []
+        need = size
+        while need:
+            part = self._parts[0]
+            if len(part) <= need:
+                taken.append(self._parts.popleft())
+                need -= len(part)
+            else:
+                taken.append(part[:need])
+                self._parts[0] = part[need:]
+                need = 0
+        self.held -= size
+        if len(taken) == 1 and isinstance(taken[0].obj, bytes) and len(taken[0].obj) == size:
+            return taken[0].obj  # one piece that is the chunk: no copy at all
+        return b"".join(taken)
+
+
 class Writes:
     """The writes of one upload, in the order of the file, up to `window` under way: `put`
     each chunk, then `finish` (raises the first failure) or `abandon`."""
