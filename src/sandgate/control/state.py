@@ -271,5 +271,22 @@ SERVER_STATE: Mapping[str, StateRow] = MappingProxyType(
             "one per peer instance",
             "per-process by nature; cancelled at shutdown",
         ),
+        "Chunker._parts": StateRow(
+            "the pieces of one upload's body not yet sent as a chunk (control/transfers.py)",
+            "less than one chunk (file_chunk_bytes) plus the piece that completed it",
+            "per-process by nature: lives as long as the request",
+        ),
+        "Writes._under_way": StateRow(
+            "one upload's chunk writes in flight to its sandbox",
+            "transfers.WINDOW (4) chunks per upload",
+            "per-process by nature: lives as long as the request; cancelled and awaited on a "
+            "failure, before the partial file is discarded",
+        ),
+        "ReadAhead._under_way": StateRow(
+            "one download's chunk reads in flight ahead of its client",
+            "transfers.WINDOW (4) chunks per download",
+            "per-process by nature: lives as long as the response; cancelled and awaited "
+            "when it ends",
+        ),
     }
 )
