@@ -263,6 +263,11 @@ class ExecuteOut(BaseModel):
     timed_out: bool = False
     stdout_truncated: bool = False
     stderr_truncated: bool = False
+    oom_killed: bool = Field(
+        default=False,
+        description="The command was killed at the sandbox's memory limit (exit code 137): "
+        "create the sandbox with a larger resources.memory_mb, or use less memory.",
+    )
 
 
 class CreateCodeContext(_In):

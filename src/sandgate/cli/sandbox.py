@@ -443,6 +443,11 @@ def exec_(
             sys.stderr.write(f"sandgate: {stream} was cut at 1 MiB\n")
     if result.timed_out:
         sys.stderr.write("sandgate: the command timed out and was killed\n")
+    if result.oom_killed:
+        sys.stderr.write(
+            "sandgate: the command was killed at the sandbox's memory limit; create the sandbox"
+            " with a larger resources.memory_mb, or use less\n"
+        )
     sys.stderr.flush()
     raise typer.Exit(exit_status(result.exit_code))
 

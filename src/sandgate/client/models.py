@@ -78,6 +78,7 @@ class ExecResult:
     timed_out: bool = False
     stdout_truncated: bool = False
     stderr_truncated: bool = False
+    oom_killed: bool = False  # killed at the sandbox's memory limit (exit code 137)
 
     @property
     def ok(self) -> bool:
@@ -93,6 +94,7 @@ class ExecResult:
             timed_out=bool(body.get("timed_out", False)),
             stdout_truncated=bool(body.get("stdout_truncated", False)),
             stderr_truncated=bool(body.get("stderr_truncated", False)),
+            oom_killed=bool(body.get("oom_killed", False)),
         )
 
 

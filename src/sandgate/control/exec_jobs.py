@@ -190,6 +190,11 @@ class ExecJobService:
             return ExecResult("failed", None, error=f"internal error: {type(exc).__name__}")
         if ran.timed_out:
             error: str | None = f"timed out after {request.timeout:g} s; the command was killed"
+        elif ran.oom_killed:
+            error = (
+                f"killed at the sandbox's memory limit (exit code {ran.exit_code}); create the "
+                "sandbox with a larger resources.memory_mb, or use less memory"
+            )
         elif ran.exit_code != 0:
             error = f"exited with code {ran.exit_code}"
         else:

@@ -65,6 +65,7 @@ class ExecReply(_Reply):
     stdout_bytes: int = Field(ge=0)
     stdout_truncated: bool = False
     stderr_truncated: bool = False
+    oom_killed: bool = False  # the worker's: SIGKILLed while the memory limit killed
 
 
 class PidReply(_Reply):

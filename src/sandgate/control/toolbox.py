@@ -73,6 +73,7 @@ class ExecOutcome:
     stderr: str
     stdout_truncated: bool
     stderr_truncated: bool
+    oom_killed: bool = False  # killed at the sandbox's memory limit (exit code 137)
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,7 @@ class Toolbox:
             stderr=decode_output(err, reply.stderr_truncated),
             stdout_truncated=reply.stdout_truncated,
             stderr_truncated=reply.stderr_truncated,
+            oom_killed=reply.oom_killed,
         )
 
     # -- files -----------------------------------------------------------------------------

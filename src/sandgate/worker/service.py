@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -618,6 +619,8 @@ class WorkerService:
         op = fields.pop("op")
         timeout = float(header.get("timeout_s") or DEFAULT_AGENT_CALL_TIMEOUT) + 2.0
         files = live.running.files
+        counter = live.running.oom_counter if op == "exec" else None
+        oom_before = cgroups.read_oom_kills(counter) if counter is not None else None
         try:
             # a whole file on the sandbox's own disk: the worker's, without the agent's pipes
             direct = None
@@ -635,6 +638,12 @@ class WorkerService:
             raise
         reply.pop("id", None)
         reply.pop("ok", None)
+        if counter is not None and oom_before is not None and _killed(reply):
+            # SIGKILLed while the kernel killed at the memory limit: the limit killed it (or a
+            # process it waited for, which its shell reports the same way)
+            oom_after = cgroups.read_oom_kills(counter)
+            if oom_after is not None and oom_after > oom_before:
+                reply["oom_killed"] = True
         return reply, body
 
     async def _set_network(self, live: LiveSandbox, policy: NetworkPolicy) -> None:
@@ -771,6 +780,12 @@ class WorkerService:
             f"{exc.message}: the worker's disk is full (this worker enforces no per-sandbox "
             "quota); delete files, or retry on another worker"
         )
+
+
+def _killed(reply: Header) -> bool:
+    """An exec's answer for a command that SIGKILL ended (128 + 9, as a shell says), not its
+    timeout."""
+    return reply.get("exit_code") == 128 + signal.SIGKILL and not reply.get("timed_out")
 
 
 def _spec(header: Header) -> SandboxSpec:

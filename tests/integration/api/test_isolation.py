@@ -14,6 +14,7 @@ import pytest
 from tests.integration.api.conftest import RUNTIME, Deployment
 from tests.integration.api.test_code_contexts import of
 from tests.integration.api.test_code_contexts import run as run_code
+from tests.integration.api.test_exec_jobs import wait_done
 
 pytestmark = pytest.mark.skipif(RUNTIME != "bwrap", reason="isolation needs the bwrap runtime")
 
@@ -189,6 +190,29 @@ def test_the_memory_limit_kills_the_users_processes_never_the_agent(alpha: httpx
         assert filled.status_code == 200, filled.text
         assert alpha.get(f"/api/v1/sandboxes/{name}").json()["state"] == "running"
         assert run(alpha, name, "echo alive")["stdout"] == "alive\n"
+
+
+def test_a_command_killed_by_the_memory_limit_says_so(alpha: httpx.Client) -> None:
+    """It answered exit code 137 and nothing else, as for any SIGKILL, which left the user
+    to guess why. A SIGKILL that is not the limit's still says nothing of memory."""
+    with limited_sandbox(alpha, memory_mb=128) as name:
+        over = run(alpha, name, "b = bytearray(400 << 20)", language="python")
+        assert (over["exit_code"], over["oom_killed"]) == (137, True), over
+        shell = run(alpha, name, "python3 -c 'b = bytearray(400 << 20)'; echo after $?")
+        assert shell["stdout"] == "after 137\n" and not shell["oom_killed"], shell  # it exited 0
+        piped = run(alpha, name, "python3 -c 'b = bytearray(400 << 20)'")
+        assert (piped["exit_code"], piped["oom_killed"]) == (137, True), piped
+        killed = run(alpha, name, "kill -9 $$")
+        assert (killed["exit_code"], killed["oom_killed"]) == (137, False), killed
+        job = alpha.post(
+            f"/api/v1/sandboxes/{name}/exec-jobs",
+            json={"command": "python3 -c 'bytearray(400 << 20)'"},
+        )
+        assert job.status_code == 202, job.text
+        done = wait_done(alpha, job.json()["id"])
+        assert (done["state"], done["exit_code"]) == ("failed", 137), done
+        assert "memory limit" in done["error"] and "resources.memory_mb" in done["error"], done
+        assert alpha.get(f"/api/v1/sandboxes/{name}").json()["state"] == "running"
 
 
 def test_a_kernel_with_no_memory_to_start_in_says_so(alpha: httpx.Client) -> None:

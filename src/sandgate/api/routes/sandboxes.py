@@ -263,6 +263,7 @@ async def run_execute(name: str, body: Execute, who: TenantId, svc: Services) ->
         "timed_out": ran.timed_out,
         "stdout_truncated": ran.stdout_truncated,
         "stderr_truncated": ran.stderr_truncated,
+        "oom_killed": ran.oom_killed,
     }
 
 

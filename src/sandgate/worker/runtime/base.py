@@ -82,6 +82,9 @@ class RunningSandbox:
     # whole files on its own disk, written and read by the worker itself (disk_files.py);
     # None: every file call goes to the agent
     files: DiskFiles | None = None
+    # where the kernel counts the processes it killed at the sandbox's memory limit (v2
+    # `memory.events`, v1 `memory.oom_control`: `oom_kill N`); None without a memory cgroup
+    oom_counter: Path | None = None
 
 
 class Runtime(Protocol):

@@ -623,6 +623,7 @@ class BwrapRuntime:
                 "disk": made,
             },
             cgroup_dirs=tuple(cg.dirs),
+            oom_counter=cg.oom_counter,
             disk=None if made is None else made.root,
             scratch=() if own_disk is not None else (workspace,),  # /tmp: a tmpfs, in memory
             upper=None if root is None else (own_disk or sandbox_dir) / rootfs.UPPER_NAME,
