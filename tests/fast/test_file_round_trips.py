@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,7 +23,7 @@ import pytest
 from sandgate.config import ServerSettings
 from sandgate.control.transfers import WINDOW
 from sandgate.errors import StorageFullError
-from tests.fast.conftest import Fast
+from tests.fast.conftest import Fast, until
 
 pytestmark = pytest.mark.anyio
 
@@ -187,3 +187,61 @@ async def test_a_failed_read_ends_the_download_and_leaves_nothing_running(fast: 
         # the reads behind the failed one were cancelled and had ended when the body broke off
         assert counts["now"] == 0, counts
     assert counts["most"] == counts["seen"] == WINDOW, counts
+
+
+async def test_a_failed_write_fails_the_upload_while_the_client_is_silent(fast: Fast) -> None:
+    """The failure waited for the client's next piece of body: a client that paused got its
+    507 only when it sent more (or a 408 when the body's idle time ran out)."""
+    name = await new_sandbox(fast)
+    tenant = await fast.services.sandboxes.owner(name)
+    assert tenant is not None
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(3):
+            yield os.urandom(CHUNK // 2 + 1)  # a chunk and a half, then the client pauses
+        await asyncio.sleep(30)
+        yield b"x"
+
+    with chunk_calls(fast, fail=1):
+        upload = fast.services.toolbox.upload(
+            tenant, name, "/workspace/up.bin", body(), chunk_bytes=CHUNK, max_bytes=1 << 30
+        )
+        with pytest.raises(StorageFullError):
+            await asyncio.wait_for(upload, 10)  # not the client's 30 s
+
+
+@pytest.mark.parametrize("cancels", [1, 2])
+async def test_an_upload_cancelled_twice_still_discards_its_file(fast: Fast, cancels: int) -> None:
+    """The partial file was discarded after the writes under way had ended, in a second
+    shielded step: a second cancel, while the first step ran, skipped the discard and left
+    the temp file on the sandbox's disk."""
+    name = await new_sandbox(fast)
+    tenant = await fast.services.sandboxes.owner(name)
+    assert tenant is not None
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(10):
+            yield os.urandom(CHUNK)
+        await asyncio.sleep(30)
+
+    with agent_ops(fast) as ops, chunk_calls(fast, slow=0.2):
+        upload = asyncio.create_task(
+            fast.services.toolbox.upload(
+                tenant, name, "/workspace/up.bin", body(), chunk_bytes=CHUNK, max_bytes=1 << 30
+            )
+        )
+        await asyncio.sleep(0.1)  # writes under way
+        for _ in range(cancels):
+            upload.cancel()
+            for _ in range(3):
+                await asyncio.sleep(0)
+        with pytest.raises(asyncio.CancelledError):
+            await upload
+
+        async def discarded() -> bool:
+            return "close_write" in ops
+
+        await until(discarded)
+    files = f"/api/v1/sandboxes/{name}/toolbox/files"
+    listed = await fast.api.get(f"{files}/list", params={"path": "/workspace"})
+    assert listed.json()["entries"] == []  # neither the file nor its temp file

@@ -242,7 +242,7 @@ class Toolbox:
             while True:
                 while (chunk := held.full()) is not None:
                     await writes.put(chunk)
-                piece = await anext(rest, None)
+                piece = await writes.until(anext(rest, None))  # a failed write ends the wait
                 if piece is None:
                     break
                 held.add(piece)
@@ -255,9 +255,15 @@ class Toolbox:
             committed = True
             return parse(EntryReply, raw).entry
         finally:
-            if not committed:
-                await asyncio.shield(writes.abandon())
-                await asyncio.shield(self._discard(tenant, name, handle))
+            if not committed:  # one shielded step: a second cancel cannot skip the discard
+                await asyncio.shield(self._abandon(tenant, name, handle, writes))
+
+    async def _abandon(
+        self, tenant: TenantId, name: str, handle: int | str, writes: transfers.Writes
+    ) -> None:
+        """End the writes still under way, then discard the partial file."""
+        await writes.abandon()
+        await self._discard(tenant, name, handle)
 
     async def _discard(self, tenant: TenantId, name: str, handle: int | str) -> None:
         with contextlib.suppress(SandgateError):  # the agent closes idle handles itself

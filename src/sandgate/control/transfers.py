@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 WINDOW = 4  # chunk calls under way at once, per transfer
 
+T = TypeVar("T")
 Write = Callable[[int, bytes], Awaitable[None]]  # (offset, data)
 Read = Callable[[int, int], Awaitable[bytes]]  # (offset, length) -> data
 
@@ -76,7 +77,9 @@ class Chunker:
 
 class Writes:
     """The writes of one upload, in the order of the file, up to `window` under way: `put`
-    each chunk, then `finish` (raises the first failure) or `abandon`."""
+    each chunk, then `finish` (raises the first failure) or `abandon`. Whatever the upload
+    waits for meanwhile (the client's next piece of body) goes through `until`, so that a
+    write that fails ends the wait at once, not when the client sends more."""
 
     def __init__(self, write: Write, window: int = WINDOW) -> None:
         if window < 1:
@@ -84,27 +87,62 @@ class Writes:
         self._write = write
         self._window = window
         self._under_way: deque[asyncio.Future[None]] = deque()
+        self._failed = asyncio.Event()  # a write under way ended with an error
         self.offset = 0  # where the next chunk goes
 
     async def put(self, data: bytes) -> None:
         """Start the write of `data` at the current offset, once the window has room
-        (waiting for the oldest write, whose failure is raised here)."""
+        (waiting for the oldest write; any write's failure is raised here)."""
         while len(self._under_way) >= self._window:
-            await self._under_way[0]
+            await self.until(self._under_way[0])
             self._under_way.popleft()
-        self._under_way.append(asyncio.ensure_future(self._write(self.offset, data)))
+        if self._failed.is_set():
+            self._raise_failure()
+        write = asyncio.ensure_future(self._write(self.offset, data))
+        write.add_done_callback(self._ended)
+        self._under_way.append(write)
         self.offset += len(data)
 
     async def finish(self) -> None:
         """Wait for every write, oldest first; the first failure is raised."""
         while self._under_way:
-            await self._under_way[0]
+            await self.until(self._under_way[0])
             self._under_way.popleft()
 
     async def abandon(self) -> None:
         """Cancel the writes still under way and wait until each has ended."""
         await _cancel_all(self._under_way)
         self._under_way.clear()
+
+    async def until(self, step: Awaitable[T]) -> T:
+        """What `step` gives, unless a write under way fails first: then `step` is
+        cancelled and that write's error raised."""
+        if not self._under_way:
+            return await step
+        if self._failed.is_set():
+            self._raise_failure()
+        task = asyncio.ensure_future(step)
+        failed = asyncio.ensure_future(self._failed.wait())
+        try:
+            await asyncio.wait((task, failed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait((task,))
+        if not task.cancelled():
+            return task.result()
+        self._raise_failure()
+
+    def _ended(self, write: asyncio.Future[None]) -> None:
+        if not write.cancelled() and write.exception() is not None:
+            self._failed.set()
+
+    def _raise_failure(self) -> NoReturn:
+        for write in self._under_way:
+            if write.done() and not write.cancelled() and (error := write.exception()):
+                raise error
+        raise AssertionError("a write failed but none under way holds its error")
 
 
 class ReadAhead:
