@@ -28,6 +28,7 @@ from sandgate.control.replies import Entry
 from sandgate.errors import InvalidRequestError
 
 QUEUE_CHUNKS = 8  # chunks a part may run ahead of its upload (backpressure beyond)
+GUNZIP_PIECE = 1 << 20  # the most a gzip body is inflated to at a time
 
 
 async def download(request: Request, svc: Services, who: EnvdCaller) -> Response:
@@ -77,11 +78,15 @@ async def _write(
 
 
 async def _gunzip(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The body inflated, at most GUNZIP_PIECE bytes at a time: a small piece of gzip can
+    stand for a thousand times its size, which must never be made in one go."""
     inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
     try:
         async for piece in body:
-            if out := inflate.decompress(piece):
-                yield out
+            while piece:
+                if out := inflate.decompress(piece, GUNZIP_PIECE):
+                    yield out
+                piece = inflate.unconsumed_tail
         if tail := inflate.flush():
             yield tail
     except zlib.error:
