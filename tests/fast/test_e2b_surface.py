@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import json
 import struct
 from collections.abc import AsyncIterator
@@ -340,3 +341,21 @@ async def test_stream_input_feeds_a_process(fast: Fast) -> None:
     assert out == b"streamed in\n"
     ends = [m["event"]["end"] for m in events if "event" in m and "end" in m["event"]]
     assert ends and ends[0].get("exitCode", 0) == 0
+
+
+async def test_a_gzip_upload_is_inflated_into_the_file(fast: Fast) -> None:
+    """An octet-stream upload with `Content-Encoding: gzip` (E2B's SDK may send one): the file
+    is the inflated bytes, here 40 MiB from a body of ~40 KiB, inflated a piece at a time."""
+    sandbox = await create(fast.api)
+    sid, token = sandbox["sandboxID"], sandbox["envdAccessToken"]
+    bare = httpx.AsyncClient(transport=fast.api._transport, base_url="http://x")
+    host = {"Host": f"49983-{sid}.{DOMAIN}", "X-Access-Token": token}
+    data = b"sandgate " * 1000 + bytes(40 << 20)
+    put = await bare.post(
+        "/files?" + urlencode({"path": "/home/user/big.bin"}),
+        content=gzip.compress(data),
+        headers={**host, "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"},
+    )
+    assert put.status_code == 200, put.text
+    got = await bare.get("/files?" + urlencode({"path": "/home/user/big.bin"}), headers=host)
+    assert got.status_code == 200 and got.content == data
