@@ -620,7 +620,16 @@ class WorkerService:
         timeout = float(header.get("timeout_s") or DEFAULT_AGENT_CALL_TIMEOUT) + 2.0
         files = live.running.files
         counter = live.running.oom_counter if op == "exec" else None
-        oom_before = cgroups.read_oom_kills(counter) if counter is not None else None
+        oom_before: list[int | None] = []
+        reading = None
+        if counter is not None:
+            # the memory limit's kill count before the command, read once the call is on its
+            # way, while the agent works (read before the send, it cost an echo ~0.1 ms here).
+            # A kill can only follow the command's spawn, much later; a read that came late
+            # could miss a kill, never make one up.
+            reading = asyncio.get_running_loop().call_soon(
+                lambda: oom_before.append(cgroups.read_oom_kills(counter))
+            )
         try:
             # a whole file on the sandbox's own disk: the worker's, without the agent's pipes
             direct = None
@@ -636,13 +645,16 @@ class WorkerService:
                 error = f"sandbox {live.name} is not running"
                 raise ConflictError(error, code="not_running") from None
             raise
+        finally:
+            if reading is not None:
+                reading.cancel()  # the call ended before the loop ran it (a refusal)
         reply.pop("id", None)
         reply.pop("ok", None)
-        if counter is not None and oom_before is not None and _killed(reply):
+        if counter is not None and oom_before and oom_before[0] is not None and _killed(reply):
             # SIGKILLed while the kernel killed at the memory limit: the limit killed it (or a
             # process it waited for, which its shell reports the same way)
             oom_after = cgroups.read_oom_kills(counter)
-            if oom_after is not None and oom_after > oom_before:
+            if oom_after is not None and oom_after > oom_before[0]:
                 reply["oom_killed"] = True
         return reply, body
 
