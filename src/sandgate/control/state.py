@@ -282,6 +282,11 @@ SERVER_STATE: Mapping[str, StateRow] = MappingProxyType(
             "per-process by nature: lives as long as the request; cancelled and awaited on a "
             "failure, before the partial file is discarded",
         ),
+        "Writes._failed": StateRow(
+            "whether one of an upload's writes in flight failed (ends its wait for the body)",
+            "one flag per upload",
+            "per-process by nature: lives as long as the request",
+        ),
         "ReadAhead._under_way": StateRow(
             "one download's chunk reads in flight ahead of its client",
             "transfers.WINDOW (4) chunks per download",
