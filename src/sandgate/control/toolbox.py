@@ -207,8 +207,6 @@ class Toolbox:
             opened = parse(OpenWriteReply, raw)
             if opened.entry is not None:
                 return opened.entry
-            if opened.handle is None:
-                raise WorkerError("the agent answered open_write with neither handle nor entry")
             # an agent without one-call writes opened a handle: write through it (the body
             # is all in `whole`, `pieces` has no more)
             held.add(whole)

@@ -214,7 +214,7 @@ class SandboxCgroups:
     dirs: list[Path] = field(default_factory=list)  # leaf groups created, one per hierarchy
     applied: dict[str, bool] = field(default_factory=dict)
     kill_file: Path | None = None
-    oom_counter: Path | None = None  # `oom_kill N`: the memory limit's kills (read_oom_kills)
+    oom_counter: Path | None = None  # `oom_kill N`: the memory limit's kills (metrics.py)
 
     @property
     def procs_files(self) -> list[Path]:
@@ -236,21 +236,6 @@ class SandboxCgroups:
     async def remove(self, wait_s: float = 2.0) -> list[Path]:
         """rmdir the leaf groups; returns those that could not be removed."""
         return await rmdir_all(self.dirs, wait_s)
-
-
-def read_oom_kills(counter: Path) -> int | None:
-    """How many processes the kernel has killed at a group's memory limit: `oom_kill` of v2
-    `memory.events` or v1 `memory.oom_control`. None if unreadable (the group is gone, or a
-    kernel before 4.13 has no such line)."""
-    try:
-        text = _read(counter)
-    except OSError:
-        return None
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "oom_kill" and value.strip().isdigit():
-            return int(value)
-    return None
 
 
 async def set_frozen(

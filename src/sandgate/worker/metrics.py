@@ -256,6 +256,16 @@ def _cpu_limit(dirs: Iterable[Path]) -> float | None:
     return None
 
 
+def read_oom_kills(counter: Path) -> int | None:
+    """How many processes the kernel has killed at a group's memory limit: `oom_kill` of v2
+    `memory.events` or v1 `memory.oom_control` (`RunningSandbox.oom_counter`). None if
+    unreadable (the group is gone, or a kernel before 4.13 has no such line)."""
+    try:
+        return parse_keyed(_read(counter) or "").get("oom_kill")
+    except OSError:
+        return None
+
+
 def _cgroup_memory(dirs: Iterable[Path]) -> tuple[int, int | None, int] | None:
     """(used, limit, cache) from the sandbox's memory cgroup; None without one."""
     for d in dirs:

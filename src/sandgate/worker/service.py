@@ -628,7 +628,7 @@ class WorkerService:
             # A kill can only follow the command's spawn, much later; a read that came late
             # could miss a kill, never make one up.
             reading = asyncio.get_running_loop().call_soon(
-                lambda: oom_before.append(cgroups.read_oom_kills(counter))
+                lambda: oom_before.append(metrics.read_oom_kills(counter))
             )
         try:
             # a whole file on the sandbox's own disk: the worker's, without the agent's pipes
@@ -653,7 +653,7 @@ class WorkerService:
         if counter is not None and oom_before and oom_before[0] is not None and _killed(reply):
             # SIGKILLed while the kernel killed at the memory limit: the limit killed it (or a
             # process it waited for, which its shell reports the same way)
-            oom_after = cgroups.read_oom_kills(counter)
+            oom_after = metrics.read_oom_kills(counter)
             if oom_after is not None and oom_after > oom_before[0]:
                 reply["oom_killed"] = True
         return reply, body
