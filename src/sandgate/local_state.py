@@ -60,10 +60,12 @@ AGENT_STATE: Mapping[str, StateRow] = MappingProxyType(
         "agent": StateRow(
             "the in-sandbox agent's open file handles, exec process groups, background processes "
             "and terminals with their output buffers, directory watches with their events, "
-            "connections to the sandbox's ports, the request threads kept for the next request",
+            "connections to the sandbox's ports, the request threads kept for the next request, "
+            "the shell started ahead of the next command",
             "64 handles; 256 processes/terminals with at most 1 MiB of output each; 64 watches "
             "with at most 10,000 events each; 256 port connections, each holding at most one "
-            "read's answer (1 MiB) and 8 writes; 4 idle request threads, each for 10 s",
+            "read's answer (1 MiB) and 8 writes; 4 idle request threads, each for 10 s; one "
+            "waiting shell",
             "per-process by nature: one agent process per sandbox, gone with it",
         ),
     }
@@ -175,5 +177,12 @@ AGENT_GROWTH: tuple[tuple[str, str, str], ...] = (
         "agent `AgentState.which_cache`",
         "executables found on PATH, by name",
         "one per executable that exists in the sandbox (bounded by its disk quota)",
+    ),
+    (
+        "agent `Warm._waiting`, `Warm._wanted` (warm.py)",
+        "the shell started ahead of the next short `bash`/`sh` exec, waiting on a pipe; the "
+        "language, directory and environment of the next one to start",
+        "one shell (one pid, ~1 MiB) per sandbox that has run a shell command; ended when a "
+        "command for another directory or environment comes, and at the agent's exit",
     ),
 )

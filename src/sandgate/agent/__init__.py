@@ -20,6 +20,7 @@ MODULES = (
     "paths",  # sandbox paths onto the real filesystem, OS errors
     "files",  # file operations and open handles
     "execute",  # exec
+    "warm",  # exec: the shell started ahead of the next command
     "pump",  # the one output pump of exec and background processes
     "orphans",  # the spawn guard; a pid 1's reaper of orphaned zombies
     "procs",  # background processes and terminals: the requests

@@ -20,13 +20,14 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent st
 if TYPE_CHECKING:
     import subprocess
 
-    from sandgate.agent import entries, paths, pump
+    from sandgate.agent import entries, paths, pump, warm
     from sandgate.agent.request import AgentError, Header, start_thread, str_field
     from sandgate.agent.state import AgentState
 else:
     import entries
     import paths
     import pump
+    import warm
     from request import AgentError, start_thread, str_field
 
 EXEC_OUTPUT_CAP = 1 << 20  # bytes kept of each of stdout and stderr
@@ -124,6 +125,9 @@ def op_exec(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]
     env = exec_env(st, req)
     cwd = exec_cwd(st, req)
     program = which(st, interpreter[0])
+    if st.warm.eligible(language, code, env):
+        argv = [program, interpreter[1], code]
+        return _run(st, argv, cwd, env, timeout, warm=(language, code))
     if len(code.encode()) <= INLINE_CODE_BYTES:
         return _run(st, [program, interpreter[1], code], cwd, env, timeout)
     # past the kernel's limit on one argument (128 KiB), the interpreter reads the program
@@ -157,6 +161,7 @@ def _spawn(
     cwd: str,
     env: dict[str, str],
     pass_fds: tuple[int, ...] = (),
+    stdin: int | None = None,
 ) -> subprocess.Popen[bytes]:
     import subprocess
 
@@ -172,7 +177,7 @@ def _spawn(
         with st.reaper.spawning():  # the reaper (orphans.py) never waits for ours
             proc = popen(
                 argv,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL if stdin is None else stdin,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=cwd,
@@ -215,9 +220,15 @@ def _run(
     env: dict[str, str],
     timeout: float,
     pass_fds: tuple[int, ...] = (),
+    warm: tuple[str, str] | None = None,
 ) -> tuple[Header, bytes]:
+    """Run ``argv`` to its end; with ``warm`` (argv is that shell's ``-c`` of that code), in
+    the sandbox's waiting shell when it fits (warm.py)."""
     started = time.monotonic()
-    proc = _spawn(st, argv, cwd, env, pass_fds)
+    proc = None if warm is None else st.warm.take(*warm, cwd, env)
+    ran_warm = proc is not None
+    if proc is None:
+        proc = _spawn(st, argv, cwd, env, pass_fds)
     out, err = _Capture(), _Capture()
     assert proc.stdout is not None and proc.stderr is not None
     sinks = {proc.stdout.fileno(): out.add, proc.stderr.fileno(): err.add}
@@ -253,5 +264,31 @@ def _run(
         "stdout_bytes": len(out.data),
         "stdout_truncated": out.truncated,
         "stderr_truncated": err.truncated,
+        "warm": ran_warm,  # ran in the shell started ahead of it (warm.py), not spawned
     }
     return header, bytes(out.data) + bytes(err.data)
+
+
+def start_warm(st: AgentState) -> None:
+    """Start the shell the next exec is to find waiting, if one is due (warm.py); called
+    after an exec's reply has gone, on its thread. A shell that cannot start (the pids
+    limit, say) is not tried again until an exec spawns; one that was no longer wanted once
+    started is followed by one that is, once."""
+    for _ in range(2):
+        due = st.warm.due()
+        if due is None:
+            return
+        shell, cwd, env = due
+        waiting = None
+        read_end, feed = os.pipe()
+        try:
+            try:
+                argv = [which(st, shell), "-c", warm.script(shell)]
+                proc = _spawn(st, argv, cwd, env, stdin=read_end)
+            except (AgentError, OSError):
+                os.close(feed)
+            else:
+                waiting = warm.Waiting(shell, cwd, env, proc, feed)
+        finally:
+            os.close(read_end)
+            st.warm.started(waiting)

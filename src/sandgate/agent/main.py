@@ -242,6 +242,8 @@ def _serve(st: AgentState, request_id: int, req: Header, payload: bytes) -> None
         message = f"the response cannot be sent: {exc}"
         data, tail = frames.encode(frames.error_header(request_id, "io_error", message)), b""
     _write_frame(st, data, tail)
+    if op == "exec":  # off the reply's path: the shell the next exec may find waiting
+        execute.start_warm(st)
 
 
 # Operations on one handle run in arrival order (a worker may pipeline the writes of an

@@ -15,11 +15,12 @@ import time
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
-    from sandgate.agent import orphans, ports, procs, threads, watch
+    from sandgate.agent import orphans, ports, procs, threads, warm, watch
     from sandgate.agent.request import Header
 else:
     import orphans
     import threads
+    import warm
 
 
 class AgentState:
@@ -44,6 +45,7 @@ class AgentState:
         "roots",
         "sandbox_env",
         "threads",
+        "warm",
         "watches",
         "watches_lock",
         "which_cache",
@@ -71,6 +73,7 @@ class AgentState:
         self.groups: set[int] = set()
         self.closing = False
         self.which_cache: dict[str, str] = {}  # executables found on PATH, by name
+        self.warm = warm.Warm()  # a shell started ahead of the next exec (warm.py)
         # open file handles (files.py), at most MAX_HANDLES
         self.handles_lock = threading.Lock()
         self.handles: dict[int, Handle] = {}

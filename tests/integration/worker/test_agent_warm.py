@@ -1,0 +1,250 @@
+"""A short shell command runs in the shell the agent started after the last one (agent/warm.py):
+what the command sees is what a spawned ``sh -c``/``bash -c`` gives it, and whatever would
+make the waiting shell differ from a fresh one (another directory or environment, the
+directory replaced, the shell killed, a long command) spawns instead.
+
+The agent runs as a plain subprocess on the host (test_agent.py's client), so its waiting
+shell is found among its children in the host's /proc. Each case runs once spawned (an
+environment no waiting shell has) and once in a waiting shell, and the answers are compared;
+the answer's ``warm`` says which ran where.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandgate.worker.runtime.base import SandboxSpec
+from sandgate.worker.runtime.bwrap import BwrapRuntime
+from sandgate.worker.service import WorkerService
+from sandgate.worker.state import WorkerLocalState
+from tests.integration.worker.test_agent import Agent
+
+LOOP_MARK = b"__sandgate_"  # in the waiting shell's command line (warm.py's reading loop)
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Agent]:
+    client = Agent(tmp_path)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def waiting_shells(agent: Agent) -> list[int]:
+    """The agent's children that are waiting shells."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(b")")[2].split()[1])
+        if ppid == agent.proc.pid and LOOP_MARK in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def one_waiting(agent: Agent, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        shells = waiting_shells(agent)
+        if shells:
+            assert len(shells) == 1, shells
+            return shells[0]
+        time.sleep(0.01)
+    raise AssertionError("no shell was started to wait for the next command")
+
+
+def run(agent: Agent, code: str, language: str, **fields: Any) -> dict[str, Any]:
+    result = agent.exec(code, language=language, **fields)
+    return {key: result[key] for key in ("stdout", "stderr", "exit_code", "timed_out", "warm")}
+
+
+def cold_and_warm(
+    agent: Agent, code: str, language: str, **fields: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The command spawned (an environment of its own), then in a shell waiting for it."""
+    env = fields.pop("env", {})
+    cold = run(agent, code, language, env={**env, "RUN": "cold"}, **fields)
+    assert cold["warm"] is False
+    # the first spawns and ends the shell started for the cold run (no shell is started
+    # after it: warm.py), the second spawns too and a shell is started after it
+    for _ in range(2):
+        run(agent, "true", language, env={**env, "RUN": "warm"}, **fields)
+    one_waiting(agent)
+    warm = run(agent, code, language, env={**env, "RUN": "warm"}, **fields)
+    assert warm["warm"] is True
+    run(agent, "true", language, env={**env, "RUN": "other"}, **fields)  # no shell waits
+    cold["warm"] = warm["warm"] = None
+    return cold, warm
+
+
+CASES = [
+    "echo ok",
+    'echo "$0" $# "$*"',
+    "echo a\necho b",
+    "echo a\necho b\n",
+    "printf '%s\\n' 'back\\slash' \"dq\" '$notexpanded'",
+    "exit 3",
+    "kill -9 $$",
+    "echo out; echo err >&2; exit 2",
+    "cat; echo done",  # stdin is /dev/null: cat ends at once
+    "readlink /proc/self/fd/0; ls /proc/self/fd | tr '\\n' ' '",  # nothing open but 0-2
+    "set | grep __sandgate_; echo $_",  # no variable of the loop (bash: the command's own)
+    'pwd; echo "$PWD"; umask; ulimit -n',
+    "trap 'echo bye' EXIT; echo x",
+    "set -e; false; echo not-reached",
+    'echo "$(echo sub) $((6 * 7))"',
+    'read -r _ _ _ _ pgrp sid _ < /proc/$$/stat; [ "$pgrp $sid" = "$$ $$" ] && echo leader',
+    "cat /proc/$$/oom_score_adj",
+    'echo "$SANDBOX_VAR $HOME $LANG $PATH"',
+]
+
+
+@pytest.mark.parametrize("language", ["sh", "bash"])
+@pytest.mark.parametrize("code", CASES)
+def test_a_command_sees_in_a_waiting_shell_what_a_spawned_one_sees(
+    agent: Agent, language: str, code: str
+) -> None:
+    cold, warm = cold_and_warm(agent, code, language)
+    assert warm == cold
+
+
+def test_bash_line_numbers_are_the_commands_own(agent: Agent) -> None:
+    cold, warm = cold_and_warm(agent, "echo $LINENO\nnosuchcommand\necho $LINENO", "bash")
+    assert warm == cold
+    assert cold["stdout"] == "1\n3\n"
+    assert "line 2: nosuchcommand: command not found" in cold["stderr"]
+
+
+def test_dash_names_eval_in_its_own_error_messages(agent: Agent) -> None:
+    """The one difference in output (warm.py, docs/api.md): dash's own messages name the
+    eval the waiting shell runs the command in."""
+    cold, warm = cold_and_warm(agent, "echo a\nnosuchcommand", "sh")
+    assert cold["stderr"].endswith(": 2: nosuchcommand: not found\n")
+    assert warm == {**cold, "stderr": cold["stderr"].replace(": 2: ", ": 2: eval: ")}
+
+
+def test_the_next_command_with_the_same_directory_and_environment_finds_a_shell_waiting(
+    agent: Agent,
+) -> None:
+    assert agent.exec("echo one")["warm"] is False  # the first spawns
+    shell = one_waiting(agent)
+    result = agent.exec("echo $$")
+    assert (result["warm"], result["stdout"]) == (True, f"{shell}\n")
+    assert one_waiting(agent) != shell  # and the next is started after its answer
+
+
+def test_another_directory_or_environment_spawns_and_no_shell_is_started_after(
+    agent: Agent,
+) -> None:
+    (agent.workspace / "sub").mkdir()
+    agent.exec("true")
+    shell = one_waiting(agent)
+    moved = agent.exec("pwd", cwd="sub")
+    assert (moved["warm"], moved["stdout"]) == (False, f"{agent.workspace}/sub\n")
+    assert not Path(f"/proc/{shell}").exists()  # the shell of no use was ended and reaped
+    time.sleep(0.3)
+    assert waiting_shells(agent) == []  # a caller that keeps changing pays no spawn more
+    assert agent.exec("echo $FOO", env={"FOO": "x"})["warm"] is False
+    one_waiting(agent)  # one spawn with nothing waiting: the next is started again
+    assert agent.exec("echo $FOO", env={"FOO": "y"})["stdout"] == "y\n"
+
+
+def test_a_directory_replaced_since_the_shell_started_is_not_run_in(agent: Agent) -> None:
+    sub = agent.workspace / "sub"
+    sub.mkdir()
+    agent.exec("true", cwd="sub")
+    one_waiting(agent)
+    os.rename(sub, agent.workspace / "old")
+    sub.mkdir()
+    (sub / "new-file").write_text("")
+    result = agent.exec("ls", cwd="sub")
+    assert (result["warm"], result["stdout"]) == (False, "new-file\n")
+
+
+def test_a_waiting_shell_killed_meanwhile_is_not_used(agent: Agent) -> None:
+    agent.exec("true")
+    os.kill(one_waiting(agent), signal.SIGKILL)
+    time.sleep(0.05)
+    result = agent.exec("echo ok; exit 4")
+    assert (result["warm"], result["stdout"], result["exit_code"]) == (False, "ok\n", 4)
+
+
+def test_a_command_in_a_waiting_shell_times_out_like_any_other(agent: Agent) -> None:
+    agent.exec("true")
+    one_waiting(agent)
+    result = agent.exec("echo started; sleep 30", timeout=0.5)
+    assert result["warm"] is True
+    assert (result["exit_code"], result["timed_out"], result["stdout"]) == (124, True, "started\n")
+
+
+def test_long_commands_and_startup_files_spawn(agent: Agent, tmp_path: Path) -> None:
+    agent.exec("true")
+    one_waiting(agent)
+    long = "echo " + "x" * 2000
+    result = agent.exec(long)
+    assert (result["warm"], result["stdout"]) == (False, "x" * 2000 + "\n")
+    one_waiting(agent)
+    startup = tmp_path / "startup.sh"
+    startup.write_text("STARTED=yes\n")
+    result = agent.exec("echo $STARTED", env={"BASH_ENV": str(startup)})
+    assert (result["warm"], result["stdout"]) == (False, "yes\n")
+
+
+def test_the_agents_exit_ends_the_waiting_shell(agent: Agent) -> None:
+    agent.exec("true")
+    shell = one_waiting(agent)
+    assert agent.close() == 0
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{shell}").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not Path(f"/proc/{shell}").exists()
+
+
+@pytest.mark.bwrap
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+def test_in_a_sandbox_the_next_command_runs_in_the_waiting_shell(runtime: BwrapRuntime) -> None:
+    """In a real bwrap sandbox, where the agent is pid 1 and /proc is the sandbox's own: the
+    waiting shell is found, its directory checked, and its command's exit code exact."""
+    service = WorkerService(runtime, capacity=1, state=WorkerLocalState())
+    spec = SandboxSpec(name="warm-1")
+    answers: list[dict[str, Any]] = []
+
+    async def run(code: str) -> dict[str, Any]:
+        call = {"op": "exec", "language": "bash", "code": code, "timeout": 30, "env": {}}
+        header, payload = await service.handle(
+            {"op": "agent", "sandbox": spec.name, "call": call, "timeout_s": 60}, b""
+        )
+        return {**header, "stdout": payload[: header["stdout_bytes"]].decode()}
+
+    async def body() -> None:
+        await service.provision(spec)
+        for i in range(20):
+            answers.append(await run(f"echo $PPID; exit {i + 1}"))
+            await asyncio.sleep(0.05)
+        await service.destroy(spec.name)
+
+    async def main() -> None:
+        await runtime.prepare()
+        await service.run(body)
+
+    asyncio.run(main())
+    assert [a["exit_code"] for a in answers] == list(range(1, 21))
+    assert {a["stdout"] for a in answers} == {"1\n"}  # the agent, pid 1, started each shell
+    assert answers[0]["warm"] is False
+    assert all(a["warm"] for a in answers[1:]), [a["warm"] for a in answers]
