@@ -182,7 +182,8 @@ AGENT_GROWTH: tuple[tuple[str, str, str], ...] = (
         "agent `Warm._waiting`, `Warm._wanted` (warm.py)",
         "the shell started ahead of the next short `bash`/`sh` exec, waiting on a pipe; the "
         "language, directory and environment of the next one to start",
-        "one shell (one pid, ~1 MiB) per sandbox that has run a shell command; ended when a "
-        "command for another directory or environment comes, and at the agent's exit",
+        "one shell (one pid, ~1 MiB) per sandbox that ran a shell command in the last 10 s "
+        "(`threads.IDLE_SECONDS`); ended when a command for another directory or environment "
+        "comes, and at the agent's exit",
     ),
 )

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
     from types import FrameType
 
-    from sandgate.agent import execute, files, frames, paths, ports, procs, watch
+    from sandgate.agent import execute, files, frames, paths, ports, procs, threads, watch
     from sandgate.agent.log import log
     from sandgate.agent.request import AgentError, Header, at_pids_limit
     from sandgate.agent.state import AgentState
@@ -50,6 +50,7 @@ else:
     import files
     import frames
     import paths
+    import threads
     from log import log
     from request import AgentError, at_pids_limit
     from state import AgentState
@@ -368,9 +369,20 @@ def _tune_malloc(st: AgentState) -> None:
         libc.mallopt(-3, HEAP_BUFFER_BYTES)  # M_MMAP_THRESHOLD (fixed: never raised past)
         libc.mallopt(-1, HEAP_KEPT_BYTES)  # M_TRIM_THRESHOLD
         libc.mallopt(-8, HEAPS)  # M_ARENA_MAX: not one heap per request thread
-        st.threads.on_idle = partial(libc.malloc_trim, 0)
+        trim: Callable[[], object] | None = partial(libc.malloc_trim, 0)
     except (ImportError, OSError, AttributeError) as exc:
         log(f"malloc tuning unavailable: {exc}")
+        trim = None
+    st.threads.on_idle = partial(_on_idle, st, trim)
+
+
+def _on_idle(st: AgentState, trim: Callable[[], object] | None) -> None:
+    """A request thread waited `threads.IDLE_SECONDS` for a request and ends: the shell
+    waiting for the next command ends too if none came as long (warm.py), and the heaps give
+    their free memory back."""
+    st.warm.expire(threads.IDLE_SECONDS)
+    if trim is not None:
+        trim()
 
 
 def _wait_for_request(st: AgentState, poller: select.poll) -> None:

@@ -7,8 +7,9 @@ microseconds. So after an ``exec`` of a shell command the agent starts the next 
 after the reply has gone, with the same program, working directory and environment; it waits
 on a pipe. The next ``exec`` with the same three gives that shell its command through the
 pipe (it reads it, closes the pipe and ``eval``\\ s it) instead of spawning one, and reads its
-output and exit status like any other (execute.py). Anything else, or a shell that is gone,
-spawns as before.
+output and exit status like any other (execute.py); a command that comes while that shell
+is still being started waits for it, which is sooner than a spawn of its own. Anything else,
+or a shell that is gone, spawns as before.
 
 What the command sees is what ``sh -c`` gives it: the same ``$0``, no positional parameters,
 the same environment, working directory, stdin (/dev/null), open descriptors, session,
@@ -18,13 +19,15 @@ runs). What differs, and is documented (docs/api.md): some of the shell's own er
 name ``eval`` (dash: ``sh: 1: eval: foo: not found`` for ``sh: 1: foo: not found``; bash's
 syntax errors: ``bash: eval: line 1:`` for ``bash: -c: line 1:``); the shell's command line
 (``/proc/<pid>/cmdline``, ``ps``) shows the reading loop, not the command; and a sandbox that
-has run a shell command holds one idle shell (one pid, ~1 MiB) until its next.
+ran a shell command in the last 10 s holds one idle shell (one pid, ~1 MiB).
 
 The reading loop reads the command a byte at a time (the shell's ``read`` does on a pipe), so
 only commands of up to `WARM_CODE_BYTES` go through it; past that a spawn costs less. The
 working directory is checked by identity, not by path: the waiting shell's (`/proc/<pid>/cwd`)
 must be the directory the path names now, so a directory removed or replaced since is never
-run in. When a waiting shell turns out to be of no use (the next command asked for another
+run in. A shell waits while the sandbox is in use: once no request came for the agent's idle
+time (threads.IDLE_SECONDS, 10 s) after the last shell command, it is ended. When a waiting
+shell turns out to be of no use (the next command asked for another
 directory or environment), it is killed and the next is not started until an ``exec`` spawns
 again, so a caller that changes directory every time pays at most one unused spawn in two.
 """
@@ -34,6 +37,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
@@ -42,6 +46,7 @@ if TYPE_CHECKING:
 
 
 WARM_CODE_BYTES = 1024  # longer commands spawn: the loop reads ~4 bytes a microsecond
+START_WAIT_SECONDS = 5.0  # a command waits this long at most for a shell being started
 SHELLS = frozenset({"sh", "bash"})
 # variables of the reading loop; an environment that sets any of them spawns instead
 _PREFIX = "__sandgate_"
@@ -89,15 +94,16 @@ class Waiting:
 class Warm:
     """The sandbox's waiting shell (at most one) and whether to start the next."""
 
-    __slots__ = ("_lock", "_starting", "_waiting", "_wanted")
+    __slots__ = ("_lock", "_starting", "_used", "_waiting", "_wanted")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition(threading.Lock())  # notified when a start ends
         self._waiting: Waiting | None = None
         # what the next waiting shell is to be (shell, cwd, env), set by an exec that
         # spawned, cleared by one that found a shell of no use; None: start none
         self._wanted: tuple[str, str, dict[str, str]] | None = None
         self._starting = False  # a thread is starting the next shell
+        self._used = time.monotonic()  # when the last shell command came
 
     @staticmethod
     def eligible(language: str, code: str, env: dict[str, str]) -> bool:
@@ -115,12 +121,18 @@ class Warm:
         caller spawns), and a waiting shell of no use is killed. The next to start is one
         for these, unless the waiting one was for others (the caller changes them: start none
         until a spawn finds no shell waiting)."""
+        wanted = (shell, cwd, env)
         with self._lock:
+            self._used = time.monotonic()
+            if self._waiting is None and self._starting and self._wanted == wanted:
+                # the shell for these is being started (after the last command's answer):
+                # it is ready sooner than a spawn of this command's own would be
+                self._lock.wait_for(lambda: not self._starting, START_WAIT_SECONDS)
             waiting, self._waiting = self._waiting, None
             fits = waiting is None or (
                 waiting.shell == shell and waiting.cwd == cwd and waiting.env == env
             )
-            self._wanted = (shell, cwd, env) if fits else None
+            self._wanted = wanted if fits else None
         if waiting is None:
             return None
         if fits and _same_directory(waiting.proc.pid, cwd) and _feed(waiting, code):
@@ -142,12 +154,24 @@ class Warm:
         while it started) is ended, and `due` then names the one wanted now."""
         with self._lock:
             self._starting = False
+            self._lock.notify_all()
             if waiting is None:
                 self._wanted = None
                 return
             if self._wanted == (waiting.shell, waiting.cwd, waiting.env):
                 self._waiting = waiting
                 return
+        discard(waiting)
+
+    def expire(self, idle_seconds: float) -> None:
+        """End the waiting shell if no shell command came for ``idle_seconds``: a sandbox
+        that went quiet holds no shell (a task each other sandbox's start walks, ~1 MiB);
+        its next command spawns, and the shell after it is started again."""
+        with self._lock:
+            waiting = self._waiting
+            if waiting is None or time.monotonic() - self._used < idle_seconds:
+                return
+            self._waiting = None
         discard(waiting)
 
 

@@ -205,6 +205,21 @@ def test_long_commands_and_startup_files_spawn(agent: Agent, tmp_path: Path) -> 
     assert (result["warm"], result["stdout"]) == (False, "yes\n")
 
 
+def test_a_quiet_sandbox_holds_no_waiting_shell(agent: Agent) -> None:
+    """Once no request came for the agent's idle time (10 s) the shell ends: an idle sandbox
+    keeps no task more for each other sandbox's start to walk; the next command spawns."""
+    agent.exec("true")
+    shell = one_waiting(agent)
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{shell}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{shell}").exists()
+    assert time.monotonic() - (deadline - 20) > 9  # not before the idle time
+    result = agent.exec("echo again")
+    assert (result["warm"], result["stdout"]) == (False, "again\n")
+    one_waiting(agent)  # and the shell after it is started again
+
+
 def test_the_agents_exit_ends_the_waiting_shell(agent: Agent) -> None:
     agent.exec("true")
     shell = one_waiting(agent)
