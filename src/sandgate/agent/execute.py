@@ -125,9 +125,9 @@ def op_exec(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]
     env = exec_env(st, req)
     cwd = exec_cwd(st, req)
     program = which(st, interpreter[0])
-    if st.warm.eligible(language, code, env):
-        argv = [program, interpreter[1], code]
-        return _run(st, argv, cwd, env, timeout, warm=(language, code))
+    shell = warm.shell_command([program, interpreter[1], code])
+    if shell is not None and warm.eligible_env(env):
+        return _run(st, [program, interpreter[1], code], cwd, env, timeout, shell=shell)
     if len(code.encode()) <= INLINE_CODE_BYTES:
         return _run(st, [program, interpreter[1], code], cwd, env, timeout)
     # past the kernel's limit on one argument (128 KiB), the interpreter reads the program
@@ -162,6 +162,8 @@ def _spawn(
     env: dict[str, str],
     pass_fds: tuple[int, ...] = (),
     stdin: int | None = None,
+    stdout: int | None = None,
+    stderr: int | None = None,
 ) -> subprocess.Popen[bytes]:
     import subprocess
 
@@ -178,8 +180,8 @@ def _spawn(
             proc = popen(
                 argv,
                 stdin=subprocess.DEVNULL if stdin is None else stdin,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
+                stdout=subprocess.PIPE if stdout is None else stdout,
+                stderr=subprocess.PIPE if stderr is None else stderr,
                 cwd=cwd,
                 env=env,
                 pass_fds=pass_fds,
@@ -220,14 +222,18 @@ def _run(
     env: dict[str, str],
     timeout: float,
     pass_fds: tuple[int, ...] = (),
-    warm: tuple[str, str] | None = None,
+    shell: tuple[tuple[str, ...], str] | None = None,
 ) -> tuple[Header, bytes]:
-    """Run ``argv`` to its end; with ``warm`` (argv is that shell's ``-c`` of that code), in
-    the sandbox's waiting shell when it fits (warm.py)."""
+    """Run ``argv`` to its end; with ``shell`` (argv split by `warm.shell_command`), in the
+    sandbox's waiting shell when it fits (warm.py)."""
     started = time.monotonic()
-    proc = None if warm is None else st.warm.take(*warm, cwd, env)
-    ran_warm = proc is not None
-    if proc is None:
+    taken = None
+    if shell is not None:
+        taken = st.warm.take((shell[0], cwd, env), shell[1], keep_stdin=False)
+    if taken is not None:
+        proc = taken.proc
+        proc.stdout, proc.stderr = os.fdopen(taken.out, "rb", 0), os.fdopen(taken.err, "rb", 0)
+    else:
         proc = _spawn(st, argv, cwd, env, pass_fds)
     out, err = _Capture(), _Capture()
     assert proc.stdout is not None and proc.stderr is not None
@@ -264,31 +270,36 @@ def _run(
         "stdout_bytes": len(out.data),
         "stdout_truncated": out.truncated,
         "stderr_truncated": err.truncated,
-        "warm": ran_warm,  # ran in the shell started ahead of it (warm.py), not spawned
+        "warm": taken is not None,  # ran in a shell started ahead of it (warm.py)
     }
     return header, bytes(out.data) + bytes(err.data)
 
 
 def start_warm(st: AgentState) -> None:
-    """Start the shell the next exec is to find waiting, if one is due (warm.py); called
-    after an exec's reply has gone, on its thread. A shell that cannot start (the pids
-    limit, say) is not tried again until an exec spawns; one that was no longer wanted once
-    started is followed by one that is, once."""
+    """Start the shell the next command is to find waiting, if one is due (warm.py); called
+    after a command's reply has gone, on its thread. A shell that cannot start (the pids
+    limit, say) is not tried again until a command spawns; one that was no longer wanted
+    once started is followed by one that is, once."""
     for _ in range(2):
-        due = st.warm.due()
-        if due is None:
+        key = st.warm.due()
+        if key is None:
             return
-        shell, cwd, env = due
+        program, cwd, env = key
         waiting = None
-        read_end, feed = os.pipe()
+        pipes: list[int] = []
         try:
-            try:
-                argv = [which(st, shell), "-c", warm.script(shell)]
-                proc = _spawn(st, argv, cwd, env, stdin=read_end)
-            except (AgentError, OSError):
-                os.close(feed)
-            else:
-                waiting = warm.Waiting(shell, cwd, env, proc, feed)
+            for _ in range(3):
+                pipes.extend(os.pipe())
+            in_r, feed, out_r, out_w, err_r, err_w = pipes
+            read_profile = warm.profile(program, env)  # before: a change after is seen
+            argv = [*program, warm.script(program[0])]
+            proc = _spawn(st, argv, cwd, env, stdin=in_r, stdout=out_w, stderr=err_w)
+        except (AgentError, OSError):
+            for fd in pipes:
+                os.close(fd)
+        else:
+            for fd in (in_r, out_w, err_w):
+                os.close(fd)
+            waiting = warm.Waiting(key, proc, feed, out_r, err_r, read_profile)
         finally:
-            os.close(read_end)
             st.warm.started(waiting)

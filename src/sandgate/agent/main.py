@@ -93,6 +93,7 @@ def _registry(st: AgentState) -> procs.Registry:
                 which=partial(execute.which, st),
                 python=st.python,
                 reaper=st.reaper,
+                shells=st.warm,
             )
         return st.registry
 
@@ -219,6 +220,9 @@ def _write_frame(st: AgentState, data: bytes, payload: bytes = b"") -> None:
             log(f"cannot write a response: {exc}")
 
 
+_SHELL_OPS = frozenset({"exec", "proc_start"})  # may run a shell command (warm.py)
+
+
 def _serve(st: AgentState, request_id: int, req: Header, payload: bytes) -> None:
     """Run one request on its own thread and write its response; never raises."""
     body = b""
@@ -243,7 +247,7 @@ def _serve(st: AgentState, request_id: int, req: Header, payload: bytes) -> None
         message = f"the response cannot be sent: {exc}"
         data, tail = frames.encode(frames.error_header(request_id, "io_error", message)), b""
     _write_frame(st, data, tail)
-    if op == "exec":  # off the reply's path: the shell the next exec may find waiting
+    if op in _SHELL_OPS:  # off the reply's path: the shell the next command may find waiting
         execute.start_warm(st)
 
 

@@ -43,10 +43,11 @@ from functools import partial
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
+    import subprocess
     from collections.abc import Callable
     from typing import Any
 
-    from sandgate.agent import pump
+    from sandgate.agent import pump, warm
     from sandgate.agent.children import (
         Entry,
         Forked,
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
     from sandgate.agent.request import AgentError, Header, start_thread
 else:
     import pump
+    import warm
     from children import (
         Entry,
         Forked,
@@ -101,12 +103,16 @@ class Registry:
         which: Callable[[str], str],
         python: tuple[str, ...] = (),
         reaper: Reaper | None = None,
+        shells: warm.Warm | None = None,
     ) -> None:
         """``env``/``cwd`` build a command's environment and real working directory from a
         request (as exec does); ``which`` finds an executable or raises ``AgentError``;
         ``python`` runs the programs deployed beside the agent (default: its own Python);
-        ``reaper`` is the agent's spawn guard (orphans.py; default: one of this registry's)."""
+        ``reaper`` is the agent's spawn guard (orphans.py; default: one of this registry's);
+        ``shells``: the agent's shell started ahead of the next command (warm.py), which a
+        short shell command takes instead of a spawn (None: always spawn)."""
         self._reaper = reaper if reaper is not None else Reaper(os.getpid())
+        self._shells = shells
         self._env = env
         self._cwd = cwd
         self._which = which
@@ -329,24 +335,19 @@ class Registry:
         tag = self._tag(req)
         env = self._environment(req, {"PYTHONUNBUFFERED": "1"})
         cwd = self._cwd(req)
+        shell = None if program is not None else warm.shell_command(argv)
         with self._lock:
             self._admit()
             self._refuse_tag_in_use(tag)
-            pipes: list[int] = []
-            try:
-                for _ in range(3):
-                    pipes.extend(os.pipe())
-                in_r, in_w, out_r, out_w, err_r, err_w = pipes
-                started = time.monotonic()
-                with self._reaper.spawning():  # never waited for by the reaper (orphans.py)
-                    child = popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, cwd=cwd, env=env)
-                    self._reaper.own(child.pid)
-            except BaseException:
-                for fd in pipes:
-                    os.close(fd)
-                raise
-            for fd in (in_r, out_w, err_w):
-                os.close(fd)
+            started = time.monotonic()
+            taken = None
+            if shell is not None and self._shells is not None and warm.eligible_env(env):
+                key = (shell[0], cwd, env)
+                taken = self._shells.take(key, shell[1], keep_stdin=True)
+            if taken is not None:  # its stdin is the pipe the command reads from
+                child, in_w, out_r, err_r = taken.proc, taken.feed, taken.out, taken.err
+            else:
+                child, in_w, out_r, err_r = self._spawn(argv, cwd, env)
             os.set_blocking(in_w, False)
             deadline = None if timeout is None else started + timeout
             entry = Entry(
@@ -368,6 +369,27 @@ class Registry:
         # the first output (and, for a short command, its exit) in the same answer
         header, output = self._page(entry, 0, wait, linger)
         return {**answer, "output": header}, output
+
+    def _spawn(
+        self, argv: list[str], cwd: str, env: dict[str, str]
+    ) -> tuple[subprocess.Popen[bytes], int, int, int]:
+        """Start ``argv`` on three pipes: the child and the ends of them left to the agent
+        (its stdin's write end, its stdout's and stderr's read ends)."""
+        pipes: list[int] = []
+        try:
+            for _ in range(3):
+                pipes.extend(os.pipe())
+            in_r, in_w, out_r, out_w, err_r, err_w = pipes
+            with self._reaper.spawning():  # never waited for by the reaper (orphans.py)
+                child = popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, cwd=cwd, env=env)
+                self._reaper.own(child.pid)
+        except BaseException:
+            for fd in pipes:
+                os.close(fd)
+            raise
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+        return child, in_w, out_r, err_r
 
     def _proc_list(self, req: Header, payload: bytes) -> tuple[Header, bytes]:
         with self._lock:

@@ -1,35 +1,40 @@
-"""A shell started before its command: ``exec`` of a short ``sh`` or ``bash`` command without
-the spawn on its path.
+"""A shell started before its command: a short ``sh``/``bash`` command (``exec``, or a
+background process started as a shell's ``-c``, as E2B's ``commands.run`` does) without the
+spawn on its path.
 
 Starting a process is most of what a short command costs: ``sh -c 'echo ok'`` takes ~1 ms to
 spawn, run and reap on a virtual machine, of which the shell's own work is a few
-microseconds. So after an ``exec`` of a shell command the agent starts the next shell at once,
-after the reply has gone, with the same program, working directory and environment; it waits
-on a pipe. The next ``exec`` with the same three gives that shell its command through the
-pipe (it reads it, closes the pipe and ``eval``\\ s it) instead of spawning one, and reads its
-output and exit status like any other (execute.py); a command that comes while that shell
-is still being started waits for it, which is sooner than a spawn of its own. Anything else,
-or a shell that is gone, spawns as before.
+microseconds. So after such a command the agent starts the next shell at once, after the
+reply has gone, with the same program and options, working directory and environment; it
+waits on a pipe that is its stdin. The next command with the same three is written to that
+shell (it reads exactly the command's lines, then ``eval``\\ s it) instead of spawned, and
+its output and exit status are read like any other's (execute.py, procs.py); a command that
+comes while that shell is still being started waits for it, which is sooner than a spawn of
+its own. Anything else, or a shell that is gone, spawns as before.
 
 What the command sees is what ``sh -c`` gives it: the same ``$0``, no positional parameters,
-the same environment, working directory, stdin (/dev/null), open descriptors, session,
-process group, OOM score and limits, the same line numbers, bash's ``$_`` and
-``BASH_EXECUTION_STRING``, and no variable of the reading loop (they are unset before it
-runs). What differs, and is documented (docs/api.md): some of the shell's own error messages
-name ``eval`` (dash: ``sh: 1: eval: foo: not found`` for ``sh: 1: foo: not found``; bash's
-syntax errors: ``bash: eval: line 1:`` for ``bash: -c: line 1:``); the shell's command line
-(``/proc/<pid>/cmdline``, ``ps``) shows the reading loop, not the command; and a sandbox that
-ran a shell command in the last 10 s holds one idle shell (one pid, ~1 MiB).
+the same environment, working directory, stdin (``exec``: /dev/null; a process: the pipe its
+input is written to, or one at its end), open descriptors, session, process group, OOM score
+and limits, the same line numbers, bash's ``$_`` and ``BASH_EXECUTION_STRING``, and no
+variable of the reading loop (they are unset before it runs). What differs, and is documented
+(docs/api.md): some of the shell's own error messages name ``eval`` (dash: ``sh: 1: eval: foo:
+not found`` for ``sh: 1: foo: not found``; bash's syntax errors: ``bash: eval: line 1:`` for
+``bash: -c: line 1:``); the shell's command line (``/proc/<pid>/cmdline``, ``ps``) shows the
+reading loop, not the command; and a sandbox that ran a shell command in the last 10 s holds
+one idle shell (one pid, ~1 MiB).
 
-The reading loop reads the command a byte at a time (the shell's ``read`` does on a pipe), so
-only commands of up to `WARM_CODE_BYTES` go through it; past that a spawn costs less. The
-working directory is checked by identity, not by path: the waiting shell's (`/proc/<pid>/cwd`)
-must be the directory the path names now, so a directory removed or replaced since is never
-run in. A shell waits while the sandbox is in use: once no request came for the agent's idle
-time (threads.IDLE_SECONDS, 10 s) after the last shell command, it is ended. When a waiting
-shell turns out to be of no use (the next command asked for another
-directory or environment), it is killed and the next is not started until an ``exec`` spawns
-again, so a caller that changes directory every time pays at most one unused spawn in two.
+The reading loop reads the command a byte at a time (the shell's ``read`` does on a pipe, and
+so never takes a byte of the input that follows it), so only commands of up to
+`WARM_CODE_BYTES` go through it; past that a spawn costs less. The working directory is
+checked by identity, not by path: the waiting shell's (`/proc/<pid>/cwd`) must be the
+directory the path names now, so a directory removed or replaced since is never run in. A
+login shell (``bash -l``) reads its profile when it starts: the files it reads are looked at
+(`stat`) before it starts and again when its command comes, and any change spawns instead.
+A shell waits while the sandbox is in use: once no request came for the agent's idle time
+(threads.IDLE_SECONDS, 10 s) after the last shell command, it is ended. When a waiting shell
+turns out to be of no use (the next command asked for another program, directory or
+environment), it is killed and the next is not started until a command spawns again, so a
+caller that changes them every time pays at most one unused spawn in two.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import os
 import signal
 import threading
 import time
+from types import MappingProxyType
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
@@ -47,48 +53,118 @@ if TYPE_CHECKING:
 
 WARM_CODE_BYTES = 1024  # longer commands spawn: the loop reads ~4 bytes a microsecond
 START_WAIT_SECONDS = 5.0  # a command waits this long at most for a shell being started
-SHELLS = frozenset({"sh", "bash"})
+# the shells and how each may be asked to run a command: (options before "-c")
+SHELLS = MappingProxyType({"sh": ((),), "dash": ((),), "bash": ((), ("-l",), ("--login",))})
 # variables of the reading loop; an environment that sets any of them spawns instead
 _PREFIX = "__sandgate_"
-# The shell reads its command on its stdin (a pipe), then makes its stdin /dev/null (read and
-# write, as a spawn's is) and evals it. The newline between lines comes from `n`: bash's
-# `$'\n'` keeps its script on one line, so that $LINENO inside the eval is the command's own;
-# dash has no `$'...'`, and counts lines inside an eval from the eval's start. bash also gets
-# the command as its BASH_EXECUTION_STRING, and its `$_` as it was at the start (what `:`
-# leaves as its last argument); dash has no `$_`.
-_SH_LOOP = (
-    '{p}c=; {p}n=; while IFS= read -r {p}l; do {p}c="${p}c${p}n${p}l"; {p}n="\n"; done; '
-    '{p}c="${p}c${p}n${p}l"; exec 0<>/dev/null; unset {p}l {p}n; eval "unset {p}c; ${p}c"'
+# The shell reads a first line, "<lines> <keep stdin: 1 or 0>", then exactly that many lines
+# of command, then makes its stdin /dev/null unless told to keep it, and evals the command.
+# The newline between lines comes from `s`: bash's `$'\n'` keeps its script on one line, so
+# that $LINENO inside the eval is the command's own; dash has no `$'...'`, and counts lines
+# inside an eval from the eval's start. bash also gets the command as its
+# BASH_EXECUTION_STRING, and its `$_` as it was at the start (what `:` leaves as its last
+# argument); dash has no `$_`.
+_READ = (
+    "read -r {p}n {p}k; {p}c=; {p}s=; "
+    'while [ "${p}n" -gt 0 ] && IFS= read -r {p}l; do '
+    '{p}c="${p}c${p}s${p}l"; {p}s={nl}; {p}n=$(({p}n - 1)); done; '
+    '[ "${p}k" = 1 ] || exec 0<>/dev/null; unset {p}l {p}s {p}n {p}k; '
 )
+_SH_LOOP = _READ + 'eval "unset {p}c; ${p}c"'
 _BASH_LOOP = (
     'printf -v {p}q %q "$_"; '
-    '{p}c=; {p}n=; while IFS= read -r {p}l; do {p}c="${p}c${p}n${p}l"; '
-    "{p}n=$'\\n'; done; "
-    '{p}c="${p}c${p}n${p}l"; exec 0<>/dev/null; unset {p}l {p}n; BASH_EXECUTION_STRING=${p}c; '
-    'eval "unset {p}c {p}q; : ${p}q; ${p}c"'
+    + _READ
+    + 'BASH_EXECUTION_STRING=${p}c; eval "unset {p}c {p}q; : ${p}q; ${p}c"'
 )
 # what a shell reads at its start from the environment, beyond the environment itself
-_STARTUP_FILES = frozenset({"BASH_ENV", "ENV"})
+_STARTUP_VARIABLES = frozenset({"BASH_ENV", "ENV"})
+# what a login shell (bash or dash) reads at its start: /etc/profile, which on Debian reads
+# /etc/profile.d/*.sh (and /etc/bash.bashrc when interactive), then the first of ~/.bash_profile,
+# ~/.bash_login, ~/.profile, which commonly reads ~/.bashrc
+_PROFILE_FILES = ("/etc/profile", "/etc/bash.bashrc")
+_PROFILE_DIRS = ("/etc/profile.d",)
+_HOME_FILES = (".bash_profile", ".bash_login", ".profile", ".bashrc")
+
+Key = tuple[tuple[str, ...], str, dict[str, str]]  # (program and options, cwd, environment)
+Snapshot = tuple[tuple[str, tuple[int, int, int, int] | None], ...]
 
 
-def script(shell: str) -> str:
-    """The waiting shell's ``-c`` script; ``shell``: "sh" or "bash"."""
-    return (_BASH_LOOP if shell == "bash" else _SH_LOOP).format(p=_PREFIX)
+def script(program: str) -> str:
+    """The waiting shell's ``-c`` script."""
+    loop = _BASH_LOOP if os.path.basename(program) == "bash" else _SH_LOOP
+    return loop.format(p=_PREFIX, nl="$'\\n'" if loop is _BASH_LOOP else "'\n'")
+
+
+def shell_command(argv: list[str]) -> tuple[tuple[str, ...], str] | None:
+    """``argv`` split into (program and options, command) when it is a shell's ``-c`` of a
+    short command that a waiting shell can run: None otherwise."""
+    if len(argv) < 3 or argv[-2] != "-c":
+        return None
+    forms = SHELLS.get(os.path.basename(argv[0]))
+    options = tuple(argv[1:-2])
+    code = argv[-1]
+    if (
+        forms is None
+        or options not in forms
+        or len(code) > WARM_CODE_BYTES
+        or len(code.encode()) > WARM_CODE_BYTES
+        or "\x00" in code
+    ):
+        return None
+    return (argv[0], *options, "-c"), code
+
+
+def eligible_env(env: dict[str, str]) -> bool:
+    return not any(key.startswith(_PREFIX) or key in _STARTUP_VARIABLES for key in env)
+
+
+def profile(program: tuple[str, ...], env: dict[str, str]) -> Snapshot:
+    """What a login shell of ``program`` reads at its start, as ``stat`` finds it now;
+    () for a shell that is not a login shell."""
+    if "-l" not in program and "--login" not in program:
+        return ()
+    paths = list(_PROFILE_FILES)
+    for directory in _PROFILE_DIRS:
+        paths.append(directory)
+        try:
+            paths.extend(sorted(os.path.join(directory, n) for n in os.listdir(directory)))
+        except OSError:
+            pass
+    home = env.get("HOME")
+    if home:
+        paths.extend(os.path.join(home, name) for name in _HOME_FILES)
+    found: list[tuple[str, tuple[int, int, int, int] | None]] = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            found.append((path, None))
+        else:
+            found.append((path, (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)))
+    return tuple(found)
 
 
 class Waiting:
-    """One shell started ahead, waiting on ``feed`` for its command."""
+    """One shell started ahead: its stdin's write end (``feed``), the read ends of its
+    stdout and stderr, and what its profile was when it started."""
 
-    __slots__ = ("cwd", "env", "feed", "proc", "shell")
+    __slots__ = ("err", "feed", "key", "out", "proc", "read_profile")
 
     def __init__(
-        self, shell: str, cwd: str, env: dict[str, str], proc: subprocess.Popen[bytes], feed: int
+        self,
+        key: Key,
+        proc: subprocess.Popen[bytes],
+        feed: int,
+        out: int,
+        err: int,
+        read_profile: Snapshot,
     ) -> None:
-        self.shell = shell
-        self.cwd = cwd
-        self.env = env
+        self.key = key
         self.proc = proc
         self.feed = feed
+        self.out = out
+        self.err = err
+        self.read_profile = read_profile
 
 
 class Warm:
@@ -99,48 +175,41 @@ class Warm:
     def __init__(self) -> None:
         self._lock = threading.Condition(threading.Lock())  # notified when a start ends
         self._waiting: Waiting | None = None
-        # what the next waiting shell is to be (shell, cwd, env), set by an exec that
-        # spawned, cleared by one that found a shell of no use; None: start none
-        self._wanted: tuple[str, str, dict[str, str]] | None = None
+        # what the next waiting shell is to be, set by a command that spawned, cleared by
+        # one that found a shell of no use; None: start none
+        self._wanted: Key | None = None
         self._starting = False  # a thread is starting the next shell
         self._used = time.monotonic()  # when the last shell command came
 
-    @staticmethod
-    def eligible(language: str, code: str, env: dict[str, str]) -> bool:
-        return (
-            language in SHELLS
-            and len(code) <= WARM_CODE_BYTES
-            and len(code.encode()) <= WARM_CODE_BYTES
-            and not any(key.startswith(_PREFIX) or key in _STARTUP_FILES for key in env)
-        )
-
-    def take(
-        self, shell: str, code: str, cwd: str, env: dict[str, str]
-    ) -> subprocess.Popen[bytes] | None:
-        """The waiting shell, given ``code`` to run, if it is one for these; else None (the
-        caller spawns), and a waiting shell of no use is killed. The next to start is one
-        for these, unless the waiting one was for others (the caller changes them: start none
-        until a spawn finds no shell waiting)."""
-        wanted = (shell, cwd, env)
+    def take(self, key: Key, code: str, keep_stdin: bool) -> Waiting | None:
+        """The waiting shell, given ``code`` to run, if it is one for ``key``; else None
+        (the caller spawns), and a waiting shell of no use is killed. ``keep_stdin``: the
+        pipe stays the command's stdin and ``feed`` stays open for its input; otherwise
+        ``feed`` is closed (/dev/null or end-of-file is what it reads). The next shell to
+        start is one for ``key``, unless the waiting one was for another (the caller changes
+        them: start none until a spawn finds no shell waiting)."""
         with self._lock:
             self._used = time.monotonic()
-            if self._waiting is None and self._starting and self._wanted == wanted:
+            if self._waiting is None and self._starting and self._wanted == key:
                 # the shell for these is being started (after the last command's answer):
                 # it is ready sooner than a spawn of this command's own would be
                 self._lock.wait_for(lambda: not self._starting, START_WAIT_SECONDS)
             waiting, self._waiting = self._waiting, None
-            fits = waiting is None or (
-                waiting.shell == shell and waiting.cwd == cwd and waiting.env == env
-            )
-            self._wanted = wanted if fits else None
+            fits = waiting is None or waiting.key == key
+            self._wanted = key if fits else None
         if waiting is None:
             return None
-        if fits and _same_directory(waiting.proc.pid, cwd) and _feed(waiting, code):
-            return waiting.proc
+        if (
+            fits
+            and _same_directory(waiting.proc.pid, key[1])
+            and profile(key[0], key[2]) == waiting.read_profile
+            and _feed(waiting, code, keep_stdin)
+        ):
+            return waiting
         discard(waiting)
         return None
 
-    def due(self) -> tuple[str, str, dict[str, str]] | None:
+    def due(self) -> Key | None:
         """What to start now (the caller then calls `started`), or None."""
         with self._lock:
             if self._waiting is not None or self._starting or self._wanted is None:
@@ -150,15 +219,15 @@ class Warm:
 
     def started(self, waiting: Waiting | None) -> None:
         """The shell `due` asked for; None: it could not be started, and none is tried
-        again until an exec spawns. One that is no longer wanted (an exec for others came
-        while it started) is ended, and `due` then names the one wanted now."""
+        again until a command spawns. One that is no longer wanted (a command for others
+        came while it started) is ended, and `due` then names the one wanted now."""
         with self._lock:
             self._starting = False
             self._lock.notify_all()
             if waiting is None:
                 self._wanted = None
                 return
-            if self._wanted == (waiting.shell, waiting.cwd, waiting.env):
+            if self._wanted == waiting.key:
                 self._waiting = waiting
                 return
         discard(waiting)
@@ -183,30 +252,29 @@ def _same_directory(pid: int, cwd: str) -> bool:
     return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
 
 
-def _feed(waiting: Waiting, code: str) -> bool:
-    """Write the whole command and close the pipe; False if the shell is gone (nothing of
-    the command ran: it runs only once the pipe is closed, at the end of its text)."""
-    data = code.encode()
-    fd, waiting.feed = waiting.feed, -1
+def _feed(waiting: Waiting, code: str, keep_stdin: bool) -> bool:
+    """Write the command's lines behind their count; close the pipe unless kept. False if
+    the shell is gone (nothing of the command ran: it runs once its last line is read)."""
+    lines = code.split("\n")
+    data = f"{len(lines)} {int(keep_stdin)}\n{code}\n".encode()
     try:
         while data:
-            data = data[os.write(fd, data) :]
+            data = data[os.write(waiting.feed, data) :]
     except OSError:  # EPIPE: the shell was killed while it waited
         return False
-    finally:
-        os.close(fd)
+    if not keep_stdin:
+        os.close(waiting.feed)
+        waiting.feed = -1
     return True
 
 
 def discard(waiting: Waiting) -> None:
     """End a waiting shell that will not be used, and wait for it."""
-    if waiting.feed >= 0:
-        os.close(waiting.feed)
     try:
         os.killpg(waiting.proc.pid, signal.SIGKILL)
     except OSError:
         pass
     waiting.proc.wait()
-    for pipe in (waiting.proc.stdout, waiting.proc.stderr):
-        if pipe is not None:
-            pipe.close()
+    for fd in (waiting.feed, waiting.out, waiting.err):
+        if fd >= 0:
+            os.close(fd)

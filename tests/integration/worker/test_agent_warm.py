@@ -27,13 +27,14 @@ from sandgate.worker.runtime.bwrap import BwrapRuntime
 from sandgate.worker.service import WorkerService
 from sandgate.worker.state import WorkerLocalState
 from tests.integration.worker.test_agent import Agent
+from tests.integration.worker.test_agent_procs import Client
 
 LOOP_MARK = b"__sandgate_"  # in the waiting shell's command line (warm.py's reading loop)
 
 
 @pytest.fixture
-def agent(tmp_path: Path) -> Iterator[Agent]:
-    client = Agent(tmp_path)
+def agent(tmp_path: Path) -> Iterator[Client]:
+    client = Client(tmp_path)
     try:
         yield client
     finally:
@@ -228,6 +229,62 @@ def test_the_agents_exit_ends_the_waiting_shell(agent: Agent) -> None:
     while Path(f"/proc/{shell}").exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not Path(f"/proc/{shell}").exists()
+
+
+# ------------------------------------------------------------------ background processes
+
+LOGIN_BASH = ["/bin/bash", "-l", "-c"]  # what E2B's commands.run starts
+
+
+def started_and_output(agent: Client, argv: list[str], **fields: Any) -> tuple[int, bytes, int]:
+    """Start a process, read it to its end: (pid, stdout and stderr, exit code)."""
+    header = agent.ok("proc_start", argv=argv, **fields)
+    data, _, last = agent.follow(header["pid"])
+    return header["pid"], data, last["exit_code"]
+
+
+def test_a_shell_process_runs_in_the_waiting_shell_and_reads_its_input_after_the_command(
+    agent: Client,
+) -> None:
+    code = 'echo "$0 $#"; shopt -q login_shell && echo login; read -r line; echo "got $line"'
+    spawned = agent.ok("proc_start", argv=[*LOGIN_BASH, code])  # nothing waits yet
+    agent.ok("proc_stdin", pid=spawned["pid"], close=True)
+    shell = one_waiting(agent)
+    header = agent.ok("proc_start", argv=[*LOGIN_BASH, code])
+    assert header["pid"] == shell  # the waiting shell took it
+    agent.call("proc_stdin", b"from stdin\n", pid=shell, close=True)
+    data, _, last = agent.follow(shell)
+    assert (data, last["exit_code"]) == (b"/bin/bash 0\nlogin\ngot from stdin\n", 0)
+
+
+def test_a_shell_process_without_stdin_reads_its_end_at_once(agent: Client) -> None:
+    argv = [*LOGIN_BASH, "cat; readlink /proc/self/fd/0 | cut -c1-5; exit 3"]
+    cold = started_and_output(agent, argv, stdin=False)
+    shell = one_waiting(agent)
+    warm = started_and_output(agent, argv, stdin=False)
+    assert warm[0] == shell
+    assert (cold[1:], warm[1:]) == ((b"pipe:\n", 3), (b"pipe:\n", 3))
+
+
+def test_a_profile_changed_since_the_login_shell_started_spawns(agent: Client) -> None:
+    """E2B's `bash -l` reads ~/.profile at its start: one written after the waiting shell
+    started (an upload, say) is not missed."""
+    argv = [*LOGIN_BASH, 'echo "[$FROM_PROFILE]"']
+    assert started_and_output(agent, argv)[1] == b"[]\n"
+    shell = one_waiting(agent)
+    (agent.workspace / ".profile").write_text("export FROM_PROFILE=yes\n")
+    pid, data, _ = started_and_output(agent, argv)
+    assert (pid != shell, data) == (True, b"[yes]\n")
+    assert not Path(f"/proc/{shell}").exists()
+    shell = one_waiting(agent)  # started with the new profile, and used
+    assert started_and_output(agent, argv) == (shell, b"[yes]\n", 0)
+
+
+def test_exec_and_processes_share_the_waiting_shell_only_when_it_fits(agent: Client) -> None:
+    agent.exec("true", language="bash")
+    exec_shell = one_waiting(agent)
+    pid, data, _ = started_and_output(agent, ["bash", "-c", "echo $PYTHONUNBUFFERED"])
+    assert (pid != exec_shell, data) == (True, b"1\n")  # a process's environment differs
 
 
 @pytest.mark.bwrap
