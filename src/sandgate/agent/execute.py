@@ -176,16 +176,23 @@ def _spawn(
         if st.closing:
             raise AgentError("io_error", "the agent is shutting down")
         _prune_groups(st)
+        options: dict[str, object] = {
+            "stdin": subprocess.DEVNULL if stdin is None else stdin,
+            "stdout": subprocess.PIPE if stdout is None else stdout,
+            "stderr": subprocess.PIPE if stderr is None else stderr,
+            "cwd": cwd,
+            "env": env,
+            "pass_fds": pass_fds,
+        }
         with st.reaper.spawning():  # the reaper (orphans.py) never waits for ours
-            proc = popen(
-                argv,
-                stdin=subprocess.DEVNULL if stdin is None else stdin,
-                stdout=subprocess.PIPE if stdout is None else stdout,
-                stderr=subprocess.PIPE if stderr is None else stderr,
-                cwd=cwd,
-                env=env,
-                pass_fds=pass_fds,
-            )
+            try:
+                proc = popen(argv, **options)
+            except AgentError as exc:  # at the pids limit: the waiting shell's pid first
+                waiting = st.warm.drop()
+                if exc.code != "limit_exceeded" or waiting is None:
+                    raise
+                warm.discard(waiting)
+                proc = popen(argv, **options)
             st.reaper.own(proc.pid)
         st.groups.add(proc.pid)
     return proc

@@ -247,7 +247,7 @@ def _serve(st: AgentState, request_id: int, req: Header, payload: bytes) -> None
         message = f"the response cannot be sent: {exc}"
         data, tail = frames.encode(frames.error_header(request_id, "io_error", message)), b""
     _write_frame(st, data, tail)
-    if op in _SHELL_OPS:  # off the reply's path: the shell the next command may find waiting
+    if isinstance(op, str) and op in _SHELL_OPS:  # off the reply's path: the next shell
         execute.start_warm(st)
 
 
@@ -262,8 +262,10 @@ def _dispatch(st: AgentState, request_id: int, req: Header, payload: bytes) -> N
     """Called on the reading thread: start the request on a thread of its own (an idle
     one of ``st.threads`` if any)."""
     op = req.get("op")
+    if not isinstance(op, str):  # refused by _serve; a set lookup would raise if unhashable
+        op = ""
     if op in _PORT_OPS:  # no thread of its own: the port loop serves it (ports.py)
-        _submit_port(st, request_id, str(op), req, payload)
+        _submit_port(st, request_id, op, req, payload)
         return
     field = "handle" if op in _HANDLE_OPS else "pid" if op in _PID_OPS else None
     value = req.get(field) if field is not None else None
@@ -295,7 +297,8 @@ _ENDING_OPS = frozenset({"proc_signal", "pty_close"})
 def _no_thread(st: AgentState, request_id: int, req: Header, payload: bytes) -> None:
     """No thread could take the request (the sandbox's processes hold its pids limit): one
     that ends processes is served here; any other is refused at once, never waited for."""
-    if req.get("op") in _ENDING_OPS:
+    op = req.get("op")
+    if isinstance(op, str) and op in _ENDING_OPS:
         _serve(st, request_id, req, payload)
         return
     exc = at_pids_limit()

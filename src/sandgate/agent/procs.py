@@ -340,7 +340,7 @@ class Registry:
             self._admit()
             self._refuse_tag_in_use(tag)
             started = time.monotonic()
-            taken = None
+            taken = key = None
             if shell is not None and self._shells is not None and warm.eligible_env(env):
                 key = (shell[0], cwd, env)
                 taken = self._shells.take(key, shell[1], keep_stdin=True)
@@ -364,10 +364,14 @@ class Registry:
                 entry.stdin_closed = True
             self._launch(entry, {out_r: "stdout", err_r: "stderr"})
         answer: Header = {"pid": entry.pid, "started_at": entry.started_at}
-        if not wait:
+        header: Header | None = None
+        output = b""
+        if wait:  # the first output (and, for a short command, its exit) in the same answer
+            header, output = self._page(entry, 0, wait, linger)
+        if key is not None and self._shells is not None and not (header and header["exited"]):
+            self._shells.unwant(key)  # still running: the next shell starts after a later one
+        if header is None:
             return answer, b""
-        # the first output (and, for a short command, its exit) in the same answer
-        header, output = self._page(entry, 0, wait, linger)
         return {**answer, "output": header}, output
 
     def _spawn(
@@ -381,7 +385,14 @@ class Registry:
                 pipes.extend(os.pipe())
             in_r, in_w, out_r, out_w, err_r, err_w = pipes
             with self._reaper.spawning():  # never waited for by the reaper (orphans.py)
-                child = popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, cwd=cwd, env=env)
+                try:
+                    child = popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, cwd=cwd, env=env)
+                except AgentError as exc:  # at the pids limit: the waiting shell's pid first
+                    waiting = None if self._shells is None else self._shells.drop()
+                    if exc.code != "limit_exceeded" or waiting is None:
+                        raise
+                    warm.discard(waiting)
+                    child = popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, cwd=cwd, env=env)
                 self._reaper.own(child.pid)
         except BaseException:
             for fd in pipes:

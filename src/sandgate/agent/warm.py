@@ -20,16 +20,20 @@ variable of the reading loop (they are unset before it runs). What differs, and 
 (docs/api.md): some of the shell's own error messages name ``eval`` (dash: ``sh: 1: eval: foo:
 not found`` for ``sh: 1: foo: not found``; bash's syntax errors: ``bash: eval: line 1:`` for
 ``bash: -c: line 1:``); the shell's command line (``/proc/<pid>/cmdline``, ``ps``) shows the
-reading loop, not the command; and a sandbox that ran a shell command in the last 10 s holds
-one idle shell (one pid, ~1 MiB).
+reading loop, not the command; a command of one program runs as the shell's child, where a
+spawned shell would have replaced itself with it; and a sandbox that ran a shell command in
+the last 10 s holds one idle shell (one pid, ~1 MiB).
 
 The reading loop reads the command a byte at a time (the shell's ``read`` does on a pipe, and
 so never takes a byte of the input that follows it), so only commands of up to
 `WARM_CODE_BYTES` go through it; past that a spawn costs less. The working directory is
 checked by identity, not by path: the waiting shell's (`/proc/<pid>/cwd`) must be the
 directory the path names now, so a directory removed or replaced since is never run in. A
-login shell (``bash -l``) reads its profile when it starts: the files it reads are looked at
-(`stat`) before it starts and again when its command comes, and any change spawns instead.
+login shell (``bash -l``) reads its profile when it starts: none is started ahead of a
+process still running at its answer (what it installs is for the next shell to read), and
+the files a profile commonly reads are looked at (`stat`) before a shell starts and again
+when its command comes; any change spawns instead. At the sandbox's pids limit, a spawn
+ends the waiting shell to take its pid.
 A shell waits while the sandbox is in use: once no request came for the agent's idle time
 (threads.IDLE_SECONDS, 10 s) after the last shell command, it is ended. When a waiting shell
 turns out to be of no use (the next command asked for another program, directory or
@@ -53,8 +57,9 @@ if TYPE_CHECKING:
 
 WARM_CODE_BYTES = 1024  # longer commands spawn: the loop reads ~4 bytes a microsecond
 START_WAIT_SECONDS = 5.0  # a command waits this long at most for a shell being started
-# the shells and how each may be asked to run a command: (options before "-c")
-SHELLS = MappingProxyType({"sh": ((),), "dash": ((),), "bash": ((), ("-l",), ("--login",))})
+# the shells (by the name of the file a program resolves to: `sh` is dash on Debian, bash on
+# Fedora) and how each may be asked to run a command: (options before "-c")
+SHELLS = MappingProxyType({"dash": ((),), "bash": ((), ("-l",), ("--login",))})
 # variables of the reading loop; an environment that sets any of them spawns instead
 _PREFIX = "__sandgate_"
 # The shell reads a first line, "<lines> <keep stdin: 1 or 0>", then exactly that many lines
@@ -74,33 +79,42 @@ _SH_LOOP = _READ + 'eval "unset {p}c; ${p}c"'
 _BASH_LOOP = (
     'printf -v {p}q %q "$_"; '
     + _READ
-    + 'BASH_EXECUTION_STRING=${p}c; eval "unset {p}c {p}q; : ${p}q; ${p}c"'
+    + 'BASH_EXECUTION_STRING=${p}c; eval "unset {p}c {p}q; SECONDS=0; : ${p}q; ${p}c"'
 )
-# what a shell reads at its start from the environment, beyond the environment itself
-_STARTUP_VARIABLES = frozenset({"BASH_ENV", "ENV"})
+# what a shell reads at its start from the environment, beyond the environment itself, or
+# what would change how it runs the reading loop (a trace of it, a timeout of its read, a
+# function named like a builtin it calls): an environment with any of them spawns instead
+_STARTUP_VARIABLES = frozenset({"BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "TMOUT"})
+_STARTUP_PREFIXES = (_PREFIX, "BASH_FUNC_")
 # what a login shell (bash or dash) reads at its start: /etc/profile, which on Debian reads
 # /etc/profile.d/*.sh (and /etc/bash.bashrc when interactive), then the first of ~/.bash_profile,
 # ~/.bash_login, ~/.profile, which commonly reads ~/.bashrc
 _PROFILE_FILES = ("/etc/profile", "/etc/bash.bashrc")
 _PROFILE_DIRS = ("/etc/profile.d",)
-_HOME_FILES = (".bash_profile", ".bash_login", ".profile", ".bashrc")
+# (and Debian's ~/.profile puts ~/bin and ~/.local/bin on PATH if they exist)
+_HOME_FILES = (".bash_profile", ".bash_login", ".profile", ".bashrc", "bin", ".local/bin")
 
 Key = tuple[tuple[str, ...], str, dict[str, str]]  # (program and options, cwd, environment)
 Snapshot = tuple[tuple[str, tuple[int, int, int, int] | None], ...]
 
 
+def _kind(program: str) -> str:
+    """The shell a program is: the name of the file it resolves to."""
+    return os.path.basename(os.path.realpath(program))
+
+
 def script(program: str) -> str:
     """The waiting shell's ``-c`` script."""
-    loop = _BASH_LOOP if os.path.basename(program) == "bash" else _SH_LOOP
+    loop = _BASH_LOOP if _kind(program) == "bash" else _SH_LOOP
     return loop.format(p=_PREFIX, nl="$'\\n'" if loop is _BASH_LOOP else "'\n'")
 
 
 def shell_command(argv: list[str]) -> tuple[tuple[str, ...], str] | None:
     """``argv`` split into (program and options, command) when it is a shell's ``-c`` of a
     short command that a waiting shell can run: None otherwise."""
-    if len(argv) < 3 or argv[-2] != "-c":
+    if len(argv) < 3 or argv[-2] != "-c" or "/" not in argv[0]:
         return None
-    forms = SHELLS.get(os.path.basename(argv[0]))
+    forms = SHELLS.get(_kind(argv[0]))
     options = tuple(argv[1:-2])
     code = argv[-1]
     if (
@@ -115,7 +129,7 @@ def shell_command(argv: list[str]) -> tuple[tuple[str, ...], str] | None:
 
 
 def eligible_env(env: dict[str, str]) -> bool:
-    return not any(key.startswith(_PREFIX) or key in _STARTUP_VARIABLES for key in env)
+    return not any(key.startswith(_STARTUP_PREFIXES) or key in _STARTUP_VARIABLES for key in env)
 
 
 def profile(program: tuple[str, ...], env: dict[str, str]) -> Snapshot:
@@ -231,6 +245,21 @@ class Warm:
                 self._waiting = waiting
                 return
         discard(waiting)
+
+    def unwant(self, key: Key) -> None:
+        """Start no shell for ``key`` after this command: it is still running (a background
+        process), and a login shell started now would read a profile it may yet change
+        (a tool installed into ~/.local/bin, say). The next such command spawns."""
+        with self._lock:
+            if self._wanted == key:
+                self._wanted = None
+
+    def drop(self) -> Waiting | None:
+        """The waiting shell, taken away for the caller to end: a spawn at the sandbox's pids
+        limit gets its pid back."""
+        with self._lock:
+            waiting, self._waiting = self._waiting, None
+        return waiting
 
     def expire(self, idle_seconds: float) -> None:
         """End the waiting shell if no shell command came for ``idle_seconds``: a sandbox

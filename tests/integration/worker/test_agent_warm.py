@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import shutil
 import signal
 import time
@@ -22,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from sandgate.agent import frames
 from sandgate.worker.runtime.base import SandboxSpec
 from sandgate.worker.runtime.bwrap import BwrapRuntime
 from sandgate.worker.service import WorkerService
@@ -237,8 +239,9 @@ LOGIN_BASH = ["/bin/bash", "-l", "-c"]  # what E2B's commands.run starts
 
 
 def started_and_output(agent: Client, argv: list[str], **fields: Any) -> tuple[int, bytes, int]:
-    """Start a process, read it to its end: (pid, stdout and stderr, exit code)."""
-    header = agent.ok("proc_start", argv=argv, **fields)
+    """Start a process, read it to its end: (pid, stdout and stderr, exit code). Like E2B's
+    `commands.run`, the start's answer waits for the first output and the exit."""
+    header = agent.ok("proc_start", argv=argv, **{"wait": 2, "linger": 0.2, **fields})
     data, _, last = agent.follow(header["pid"])
     return header["pid"], data, last["exit_code"]
 
@@ -247,8 +250,7 @@ def test_a_shell_process_runs_in_the_waiting_shell_and_reads_its_input_after_the
     agent: Client,
 ) -> None:
     code = 'echo "$0 $#"; shopt -q login_shell && echo login; read -r line; echo "got $line"'
-    spawned = agent.ok("proc_start", argv=[*LOGIN_BASH, code])  # nothing waits yet
-    agent.ok("proc_stdin", pid=spawned["pid"], close=True)
+    started_and_output(agent, [*LOGIN_BASH, "true"])  # spawned, then a shell waits
     shell = one_waiting(agent)
     header = agent.ok("proc_start", argv=[*LOGIN_BASH, code])
     assert header["pid"] == shell  # the waiting shell took it
@@ -285,6 +287,79 @@ def test_exec_and_processes_share_the_waiting_shell_only_when_it_fits(agent: Cli
     exec_shell = one_waiting(agent)
     pid, data, _ = started_and_output(agent, ["bash", "-c", "echo $PYTHONUNBUFFERED"])
     assert (pid != exec_shell, data) == (True, b"1\n")  # a process's environment differs
+
+
+def test_a_tool_a_running_process_installs_is_on_the_next_login_shells_path(
+    agent: Client,
+) -> None:
+    """A login shell started while the command before it still ran would read its profile
+    before that command changed what the profile reads (rustup's `. "$HOME/.cargo/env"`,
+    a file no snapshot looks at): no shell is started ahead of a process still running at
+    its answer (E2B's wait, 20 ms, for an install that takes longer)."""
+    (agent.workspace / ".profile").write_text(
+        'if [ -f "$HOME/.cargo/env" ]; then . "$HOME/.cargo/env"; fi\n'
+    )
+    started_and_output(agent, [*LOGIN_BASH, "true"])
+    one_waiting(agent)
+    install = (
+        "sleep 0.3; mkdir -p ~/.cargo/bin; printf '#!/bin/sh\\necho tool-ran\\n' > "
+        "~/.cargo/bin/tool; chmod +x ~/.cargo/bin/tool; "
+        "echo 'export PATH=\"$HOME/.cargo/bin:$PATH\"' > ~/.cargo/env"
+    )
+    _, data, code = started_and_output(agent, [*LOGIN_BASH, install], wait=0.02, linger=0.005)
+    assert (data, code) == (b"", 0)
+    assert waiting_shells(agent) == []  # none was started while the install ran
+    assert started_and_output(agent, [*LOGIN_BASH, "tool"])[1:] == (b"tool-ran\n", 0)
+
+
+def test_a_directory_debians_profile_puts_on_path_is_looked_at(agent: Client) -> None:
+    (agent.workspace / ".profile").write_text(  # what Debian's ~/.profile does
+        'if [ -d "$HOME/bin" ]; then PATH="$HOME/bin:$PATH"; fi\n'
+        'if [ -d "$HOME/.local/bin" ]; then PATH="$HOME/.local/bin:$PATH"; fi\n'
+    )
+    argv = [*LOGIN_BASH, 'case ":$PATH:" in *:"$HOME"/bin:*) echo on;; *) echo off;; esac']
+    assert started_and_output(agent, argv)[1] == b"off\n"
+    shell = one_waiting(agent)
+    (agent.workspace / "bin").mkdir()  # through the files API, say
+    pid, data, _ = started_and_output(agent, argv)
+    assert (pid != shell, data) == (True, b"on\n")
+
+
+def test_sh_that_is_bash_gets_the_bash_loop(agent: Client, tmp_path: Path) -> None:
+    """Where `sh` is bash (Fedora, Arch), what the command sees is still bash's `sh -c`."""
+    links = tmp_path / "bin"
+    links.mkdir()
+    (links / "sh").symlink_to(shutil.which("bash") or "/bin/bash")
+    argv = [str(links / "sh"), "-c", 'echo "$LINENO $_ $SECONDS"; echo "$BASH_EXECUTION_STRING"']
+    cold = started_and_output(agent, argv)
+    shell = one_waiting(agent)
+    time.sleep(1.2)  # $SECONDS counts from the command, not from the shell's start
+    warm = started_and_output(agent, argv)
+    assert warm[0] == shell
+    assert cold[1:] == warm[1:]
+    assert cold[1].splitlines()[1] == argv[-1].encode()
+
+
+def test_an_environment_that_changes_how_the_shell_runs_its_loop_spawns(agent: Client) -> None:
+    for env in ({"SHELLOPTS": "xtrace"}, {"TMOUT": "1"}, {"BASH_FUNC_read%%": "() { :; }"}):
+        agent.exec("true", env=env)
+        agent.exec("true", env=env)
+        result = agent.exec("echo hi", env=env)
+        assert (result["warm"], result["stdout"]) == (False, "hi\n"), env
+    assert waiting_shells(agent) == []
+
+
+def test_a_request_with_an_unhashable_op_is_refused_and_the_agent_goes_on(agent: Client) -> None:
+    answer: queue.Queue[tuple[dict[str, Any], bytes]] = queue.Queue(maxsize=1)
+    with agent._send_lock:  # as Client.call, with an op no call would send
+        agent._next_id += 1
+        agent._pending[agent._next_id] = answer
+        assert agent.proc.stdin is not None
+        agent.proc.stdin.write(frames.encode({"id": agent._next_id, "op": [1]}))
+        agent.proc.stdin.flush()
+    header, _ = answer.get(timeout=30)
+    assert header["ok"] is False and header["error"]["code"] == "invalid_request"
+    assert agent.exec("echo still here")["stdout"] == "still here\n"
 
 
 @pytest.mark.bwrap
