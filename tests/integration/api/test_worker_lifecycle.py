@@ -61,6 +61,13 @@ def test_tunnel_down_answers_503_with_retry_after(own: Deployment) -> None:
         assert create.status_code == 503
         assert create.json()["error"]["code"] == "no_capacity"
         assert int(create.headers["Retry-After"]) >= 1
+        # a worker started again under its name removes what the killed one left on the host
+        # (its sandbox's cgroups), as a restarted worker does in production
+        own.start_worker()
+        own.wait_worker("w1", connected=True)
+        if RUNTIME == "bwrap":
+            found = subprocess.run(["find", "/sys/fs/cgroup", "-name", name], capture_output=True)
+            assert found.stdout == b""
 
 
 def test_lost_sandboxes_marked_error_after_worker_restart(own: Deployment) -> None:
