@@ -336,13 +336,16 @@ class Registry:
         env = self._environment(req, {"PYTHONUNBUFFERED": "1"})
         cwd = self._cwd(req)
         shell = None if program is not None else warm.shell_command(argv)
+        key = None
+        if shell is not None and self._shells is not None and warm.eligible_env(env):
+            key = (shell[0], cwd, env)
+            self._shells.settle(key)  # a shell being started for it: not under our lock
         with self._lock:
             self._admit()
             self._refuse_tag_in_use(tag)
             started = time.monotonic()
-            taken = key = None
-            if shell is not None and self._shells is not None and warm.eligible_env(env):
-                key = (shell[0], cwd, env)
+            taken = None
+            if key is not None and shell is not None and self._shells is not None:
                 taken = self._shells.take(key, shell[1], keep_stdin=True)
             if taken is not None:  # its stdin is the pipe the command reads from
                 child, in_w, out_r, err_r = taken.proc, taken.feed, taken.out, taken.err

@@ -204,10 +204,7 @@ class Warm:
         them: start none until a spawn finds no shell waiting)."""
         with self._lock:
             self._used = time.monotonic()
-            if self._waiting is None and self._starting and self._wanted == key:
-                # the shell for these is being started (after the last command's answer):
-                # it is ready sooner than a spawn of this command's own would be
-                self._lock.wait_for(lambda: not self._starting, START_WAIT_SECONDS)
+            self._settle(key)
             waiting, self._waiting = self._waiting, None
             fits = waiting is None or waiting.key == key
             self._wanted = key if fits else None
@@ -222,6 +219,18 @@ class Warm:
             return waiting
         discard(waiting)
         return None
+
+    def settle(self, key: Key) -> None:
+        """Wait until the shell being started for ``key``, if any, is ready: a caller that
+        takes it under a lock of its own waits here first, not holding that lock."""
+        with self._lock:
+            self._settle(key)
+
+    def _settle(self, key: Key) -> None:
+        if self._waiting is None and self._starting and self._wanted == key:
+            # the shell for these is being started (after the last command's answer): it is
+            # ready sooner than a spawn of this command's own would be
+            self._lock.wait_for(lambda: not self._starting, START_WAIT_SECONDS)
 
     def due(self) -> Key | None:
         """What to start now (the caller then calls `started`), or None."""
