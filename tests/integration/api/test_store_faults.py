@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from tests.integration.api.conftest import RUNTIME, Deployment, free_port, sandgate, wait_until
+from tests.statedirs import remove_state
 
 CAUSE = "disk is full"  # SQLite's words: "database or disk is full"
 
@@ -66,7 +67,7 @@ def full_disk_deployment(tmp_path: Path, disk: Path) -> Iterator[Deployment]:
         yield dep
     finally:
         dep.stop()
-        shutil.rmtree(dep.state_dir, ignore_errors=True)
+        remove_state(dep.state_dir)  # its mounts first (tests/statedirs.py)
         log_text = (tmp_path / "server.log").read_text(errors="replace")
         sys.stderr.write("\n--- server.log (tail) ---\n" + "\n".join(log_text.splitlines()[-30:]))
 

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-import shutil
 import threading
 import time
 import tracemalloc
@@ -53,6 +52,7 @@ from tests.integration.api.conftest import (
     wait_until,
 )
 from tests.integration.api.test_up import start_up, stop
+from tests.statedirs import remove_state
 
 BIG = 50 * 1024 * 1024
 
@@ -620,7 +620,7 @@ def test_503_is_retried_after_retry_after(tmp_path: Path) -> None:
             result[0].delete()
     finally:
         dep.stop()
-        shutil.rmtree(dep.state_dir, ignore_errors=True)
+        remove_state(dep.state_dir)  # its mounts first (tests/statedirs.py)
 
 
 # ------------------------------------------------------------------------------ code contexts
@@ -881,4 +881,4 @@ def test_sdk_against_sandgate_up(
             box.delete()
     finally:
         stop(proc)
-        shutil.rmtree(state_dir, ignore_errors=True)
+        remove_state(state_dir)  # its mounts first (tests/statedirs.py)
