@@ -17,7 +17,7 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent st
 
 if TYPE_CHECKING:
     import subprocess
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
     from typing import Protocol
 
     from sandgate.agent.orphans import Reaper
@@ -39,15 +39,44 @@ TIMEOUT_EXIT_CODE = 124
 SPAWN_TIMEOUT = 10.0  # seconds a forked terminal child may take to exec
 
 
-def popen(argv: list[str], **options: object) -> subprocess.Popen[bytes]:
+def popen(
+    argv: list[str], make_room: Callable[[], bool] | None = None, **options: object
+) -> subprocess.Popen[bytes]:
     """``subprocess.Popen(argv, start_new_session=True, **options)``; a fork refused (the
-    sandbox's pids limit) is that limit's error, not an io_error."""
+    sandbox's pids limit) is tried once more if ``make_room()`` freed a pid (the waiting
+    shell's, warm.py), else it is that limit's error, not an io_error."""
     import subprocess
 
     try:
         return subprocess.Popen(argv, start_new_session=True, **options)  # type: ignore[call-overload, no-any-return]
     except BlockingIOError:
+        if make_room is None or not make_room():
+            raise at_pids_limit() from None
+    try:
+        return subprocess.Popen(argv, start_new_session=True, **options)  # type: ignore[call-overload, no-any-return]
+    except BlockingIOError:
         raise at_pids_limit() from None
+
+
+def on_pipes(
+    start: Callable[[int, int, int], subprocess.Popen[bytes]],
+) -> tuple[subprocess.Popen[bytes], int, int, int]:
+    """``start(stdin, stdout, stderr)`` on three new pipes: what it started and the ends left
+    to the agent (stdin's write end, stdout's and stderr's read ends). The child's ends are
+    closed here, and every end if ``start`` raises."""
+    pipes: list[int] = []
+    try:
+        for _ in range(3):
+            pipes.extend(os.pipe())
+        in_r, in_w, out_r, out_w, err_r, err_w = pipes
+        child = start(in_r, out_w, err_w)
+    except BaseException:
+        for fd in pipes:
+            os.close(fd)
+        raise
+    for fd in (in_r, out_w, err_w):
+        os.close(fd)
+    return child, in_w, out_r, err_r
 
 
 class Forked:

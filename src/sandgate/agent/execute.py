@@ -125,11 +125,12 @@ def op_exec(st: AgentState, req: Header, payload: bytes) -> tuple[Header, bytes]
     env = exec_env(st, req)
     cwd = exec_cwd(st, req)
     program = which(st, interpreter[0])
-    shell = warm.shell_command([program, interpreter[1], code])
+    argv = [program, interpreter[1], code]
+    shell = warm.shell_command(argv)
     if shell is not None and warm.eligible_env(env):
-        return _run(st, [program, interpreter[1], code], cwd, env, timeout, shell=shell)
+        return _run(st, argv, cwd, env, timeout, shell=shell)
     if len(code.encode()) <= INLINE_CODE_BYTES:
-        return _run(st, [program, interpreter[1], code], cwd, env, timeout)
+        return _run(st, argv, cwd, env, timeout)
     # past the kernel's limit on one argument (128 KiB), the interpreter reads the program
     # from a pipe that a thread fills
     read_end, write_end = os.pipe()
@@ -176,23 +177,17 @@ def _spawn(
         if st.closing:
             raise AgentError("io_error", "the agent is shutting down")
         _prune_groups(st)
-        options: dict[str, object] = {
-            "stdin": subprocess.DEVNULL if stdin is None else stdin,
-            "stdout": subprocess.PIPE if stdout is None else stdout,
-            "stderr": subprocess.PIPE if stderr is None else stderr,
-            "cwd": cwd,
-            "env": env,
-            "pass_fds": pass_fds,
-        }
         with st.reaper.spawning():  # the reaper (orphans.py) never waits for ours
-            try:
-                proc = popen(argv, **options)
-            except AgentError as exc:  # at the pids limit: the waiting shell's pid first
-                waiting = st.warm.drop()
-                if exc.code != "limit_exceeded" or waiting is None:
-                    raise
-                warm.discard(waiting)
-                proc = popen(argv, **options)
+            proc = popen(
+                argv,
+                st.warm.make_room,  # at the pids limit, the waiting shell's pid first
+                stdin=subprocess.DEVNULL if stdin is None else stdin,
+                stdout=subprocess.PIPE if stdout is None else stdout,
+                stderr=subprocess.PIPE if stderr is None else stderr,
+                cwd=cwd,
+                env=env,
+                pass_fds=pass_fds,
+            )
             st.reaper.own(proc.pid)
         st.groups.add(proc.pid)
     return proc
@@ -291,22 +286,25 @@ def start_warm(st: AgentState) -> None:
         key = st.warm.due()
         if key is None:
             return
-        program, cwd, env = key
         waiting = None
-        pipes: list[int] = []
         try:
-            for _ in range(3):
-                pipes.extend(os.pipe())
-            in_r, feed, out_r, out_w, err_r, err_w = pipes
-            read_profile = warm.profile(program, env)  # before: a change after is seen
-            argv = [*program, warm.script(program[0])]
-            proc = _spawn(st, argv, cwd, env, stdin=in_r, stdout=out_w, stderr=err_w)
-        except (AgentError, OSError):
-            for fd in pipes:
-                os.close(fd)
-        else:
-            for fd in (in_r, out_w, err_w):
-                os.close(fd)
-            waiting = warm.Waiting(key, proc, feed, out_r, err_r, read_profile)
+            waiting = _start_waiting(st, key)
         finally:
             st.warm.started(waiting)
+
+
+def _start_waiting(st: AgentState, key: warm.Key) -> warm.Waiting | None:
+    """A shell for ``key`` waiting on its stdin pipe, or None if it could not start."""
+    if TYPE_CHECKING:
+        from sandgate.agent.children import on_pipes
+    else:  # as _spawn does: not at the agent's start
+        from children import on_pipes
+
+    program, cwd, env = key
+    try:
+        read_profile = warm.profile(program, env)  # before: a change after is seen
+        argv = [*program, warm.script(program[0])]
+        started = on_pipes(lambda i, o, e: _spawn(st, argv, cwd, env, stdin=i, stdout=o, stderr=e))
+    except (AgentError, OSError):
+        return None  # the next command spawns (warm.py)
+    return warm.Waiting(key, *started, read_profile)

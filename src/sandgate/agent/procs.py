@@ -56,6 +56,7 @@ if TYPE_CHECKING:
         fork_terminal,
         group_exists,
         killpg,
+        on_pipes,
         popen,
         session_groups,
     )
@@ -73,6 +74,7 @@ else:
         fork_terminal,
         group_exists,
         killpg,
+        on_pipes,
         popen,
         session_groups,
     )
@@ -380,30 +382,18 @@ class Registry:
     def _spawn(
         self, argv: list[str], cwd: str, env: dict[str, str]
     ) -> tuple[subprocess.Popen[bytes], int, int, int]:
-        """Start ``argv`` on three pipes: the child and the ends of them left to the agent
-        (its stdin's write end, its stdout's and stderr's read ends)."""
-        pipes: list[int] = []
-        try:
-            for _ in range(3):
-                pipes.extend(os.pipe())
-            in_r, in_w, out_r, out_w, err_r, err_w = pipes
+        """Start ``argv`` on three pipes (children.on_pipes)."""
+        make_room = None if self._shells is None else self._shells.make_room
+
+        def start(stdin: int, stdout: int, stderr: int) -> subprocess.Popen[bytes]:
             with self._reaper.spawning():  # never waited for by the reaper (orphans.py)
-                try:
-                    child = popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, cwd=cwd, env=env)
-                except AgentError as exc:  # at the pids limit: the waiting shell's pid first
-                    waiting = None if self._shells is None else self._shells.drop()
-                    if exc.code != "limit_exceeded" or waiting is None:
-                        raise
-                    warm.discard(waiting)
-                    child = popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, cwd=cwd, env=env)
+                child = popen(
+                    argv, make_room, stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd, env=env
+                )
                 self._reaper.own(child.pid)
-        except BaseException:
-            for fd in pipes:
-                os.close(fd)
-            raise
-        for fd in (in_r, out_w, err_w):
-            os.close(fd)
-        return child, in_w, out_r, err_r
+            return child
+
+        return on_pipes(start)
 
     def _proc_list(self, req: Header, payload: bytes) -> tuple[Header, bytes]:
         with self._lock:

@@ -59,7 +59,8 @@ WARM_CODE_BYTES = 1024  # longer commands spawn: the loop reads ~4 bytes a micro
 START_WAIT_SECONDS = 5.0  # a command waits this long at most for a shell being started
 # the shells (by the name of the file a program resolves to: `sh` is dash on Debian, bash on
 # Fedora) and how each may be asked to run a command: (options before "-c")
-SHELLS = MappingProxyType({"dash": ((),), "bash": ((), ("-l",), ("--login",))})
+_LOGIN = frozenset({"-l", "--login"})  # bash's options that make it a login shell
+SHELLS = MappingProxyType({"dash": ((),), "bash": ((), *((option,) for option in _LOGIN))})
 # variables of the reading loop; an environment that sets any of them spawns instead
 _PREFIX = "__sandgate_"
 # The shell reads a first line, "<lines> <keep stdin: 1 or 0>", then exactly that many lines
@@ -135,7 +136,7 @@ def eligible_env(env: dict[str, str]) -> bool:
 def profile(program: tuple[str, ...], env: dict[str, str]) -> Snapshot:
     """What a login shell of ``program`` reads at its start, as ``stat`` finds it now;
     () for a shell that is not a login shell."""
-    if "-l" not in program and "--login" not in program:
+    if _LOGIN.isdisjoint(program):
         return ()
     paths = list(_PROFILE_FILES)
     for directory in _PROFILE_DIRS:
@@ -263,12 +264,15 @@ class Warm:
             if self._wanted == key:
                 self._wanted = None
 
-    def drop(self) -> Waiting | None:
-        """The waiting shell, taken away for the caller to end: a spawn at the sandbox's pids
-        limit gets its pid back."""
+    def make_room(self) -> bool:
+        """End the waiting shell, if any, so that a spawn at the sandbox's pids limit gets its
+        pid (children.popen): True if one was ended."""
         with self._lock:
             waiting, self._waiting = self._waiting, None
-        return waiting
+        if waiting is None:
+            return False
+        discard(waiting)
+        return True
 
     def expire(self, idle_seconds: float) -> None:
         """End the waiting shell if no shell command came for ``idle_seconds``: a sandbox

@@ -17,7 +17,6 @@ import queue
 import shutil
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +29,9 @@ from sandgate.worker.service import WorkerService
 from sandgate.worker.state import WorkerLocalState
 from tests.integration.worker.test_agent import Agent
 from tests.integration.worker.test_agent_procs import Client
+from tests.integration.worker.test_agent_procs import agent as agent  # the fixture
 
 LOOP_MARK = b"__sandgate_"  # in the waiting shell's command line (warm.py's reading loop)
-
-
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[Client]:
-    client = Client(tmp_path)
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 def waiting_shells(agent: Agent) -> list[int]:
