@@ -386,3 +386,108 @@ def test_in_a_sandbox_the_next_command_runs_in_the_waiting_shell(runtime: BwrapR
     assert {a["stdout"] for a in answers} == {"1\n"}  # the agent, pid 1, started each shell
     assert answers[0]["warm"] is False
     assert all(a["warm"] for a in answers[1:]), [a["warm"] for a in answers]
+
+
+# Forks until the sandbox's pids limit refuses one, then holds them all: started after a
+# pause, so that the waiting shell the agent starts after its command's answer gets a pid.
+FILLER = (
+    "import os, time\n"
+    "time.sleep(1.5)\n"
+    "while True:\n"
+    "    try:\n"
+    "        pid = os.fork()\n"
+    "    except BlockingIOError:\n"
+    "        break\n"
+    "    if pid == 0:\n"
+    "        time.sleep(600)\n"
+    "        os._exit(0)\n"
+    "time.sleep(600)\n"
+)
+
+
+def host_waiting_shells() -> list[int]:
+    """Waiting shells anywhere on the host (their command line carries the loop's mark)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if LOOP_MARK in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def pids_group(pid: int) -> Path:
+    """The v1 pids cgroup `pid` is counted in, on the host."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "pids" in controllers.split(","):
+            return Path("/sys/fs/cgroup/pids") / path.lstrip("/")
+    raise AssertionError(f"process {pid} is in no pids cgroup")
+
+
+@pytest.mark.bwrap
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+@pytest.mark.skipif(not Path("/sys/fs/cgroup/pids").is_dir(), reason="needs the v1 pids cgroup")
+def test_at_the_pids_limit_the_waiting_shell_gives_its_pid_to_a_spawn(
+    runtime: BwrapRuntime,
+) -> None:
+    """With every pid of the sandbox held and one of them the waiting shell's, a command that
+    does not go to that shell (python) must still be spawned: the shell is ended for it
+    (warm.make_room), where the spawn would have been refused with 429. (A shell command
+    for another directory or environment ends the shell anyway: warm.take.)"""
+    service = WorkerService(runtime, capacity=1, state=WorkerLocalState())
+    spec = SandboxSpec(name="warm-limit", pids=40)
+    seen: dict[str, Any] = {}
+
+    async def run(code: str, **fields: Any) -> dict[str, Any]:
+        call = {"op": "exec", "language": "bash", "code": code, "timeout": 30, "env": {}}
+        header, payload = await service.handle(
+            {"op": "agent", "sandbox": spec.name, "call": {**call, **fields}, "timeout_s": 60},
+            b"",
+        )
+        if header.get("ok") is False:
+            return header
+        return {**header, "stdout": payload[: header["stdout_bytes"]].decode()}
+
+    async def full(group: Path) -> bool:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            current = int((group / "pids.current").read_text())
+            if current >= int((group / "pids.max").read_text()):
+                await asyncio.sleep(0.5)  # the filler has stopped at the refusal
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    async def body() -> None:
+        await service.provision(spec)
+        try:
+            assert (await run("true"))["exit_code"] == 0
+            started = await run(f"python3 -c '{FILLER}' >/dev/null 2>&1 &")
+            assert started["exit_code"] == 0, started
+            shells = []
+            deadline = time.monotonic() + 10
+            while not shells and time.monotonic() < deadline:
+                shells = host_waiting_shells()
+                await asyncio.sleep(0.02)
+            assert len(shells) == 1, shells
+            seen["filled"] = await full(pids_group(shells[0]))
+            seen["shell_before"] = host_waiting_shells()
+            code = "import os; print('made room', os.getcwd())"
+            seen["answer"] = await run(code, language="python", cwd="/tmp")
+        finally:
+            await service.destroy(spec.name)
+
+    async def main() -> None:
+        await runtime.prepare()
+        await service.run(body)
+
+    asyncio.run(main())
+    assert seen["filled"], "the filler did not take every pid"
+    assert len(seen["shell_before"]) == 1
+    answer = seen["answer"]
+    assert answer.get("exit_code") == 0, answer
+    assert answer["stdout"] == "made room /tmp\n"
