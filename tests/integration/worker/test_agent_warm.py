@@ -468,7 +468,7 @@ def test_at_the_pids_limit_the_waiting_shell_gives_its_pid_to_a_spawn(
             assert (await run("true"))["exit_code"] == 0
             started = await run(f"python3 -c '{FILLER}' >/dev/null 2>&1 &")
             assert started["exit_code"] == 0, started
-            shells = []
+            shells: list[int] = []
             deadline = time.monotonic() + 10
             while not shells and time.monotonic() < deadline:
                 shells = host_waiting_shells()
