@@ -38,14 +38,14 @@ def pct(values: list[float], p: float) -> float:
 
 
 @contextmanager
-def deployment(code: Path | None) -> Iterator[tuple[httpx.Client, str]]:
+def deployment(code: Path | None, capacity: int = 4) -> Iterator[tuple[httpx.Client, str]]:
     """A stack running this checkout's code, or that of `code`: a client and the files URL
     of a new sandbox."""
     before = os.environ.get("PYTHONPATH")
     if code is not None:
         os.environ["PYTHONPATH"] = str(code / "src")
     try:
-        with running(capacity=4) as stack:
+        with running(capacity=capacity) as stack:
             if code is not None:  # the children have it; this process's next ones must not
                 os.environ.pop("PYTHONPATH")
                 if before is not None:
