@@ -179,9 +179,10 @@ AGENT_GROWTH: tuple[tuple[str, str, str], ...] = (
         "one per executable that exists in the sandbox (bounded by its disk quota)",
     ),
     (
-        "agent `Warm._waiting`, `Warm._wanted` (warm.py)",
+        "agent `Warm._waiting`, `Warm._wanted`, `Warm._cpu` (warm.py, pressure.py)",
         "the shell started ahead of the next short `bash`/`sh` exec, waiting on a pipe; the "
-        "language, directory and environment of the next one to start",
+        "language, directory and environment of the next one to start; the host's CPU stall "
+        "total at the last look and whether the CPUs were saturated (then none is started)",
         "one shell (one pid, ~1 MiB) per sandbox that ran a shell command in the last 10 s "
         "(`threads.IDLE_SECONDS`); ended when a command for another directory or environment "
         "comes, and at the agent's exit",

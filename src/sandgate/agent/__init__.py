@@ -21,6 +21,7 @@ MODULES = (
     "files",  # file operations and open handles
     "execute",  # exec
     "warm",  # exec: the shell started ahead of the next command
+    "pressure",  # exec: whether the host's CPUs are saturated (no shell started ahead then)
     "pump",  # the one output pump of exec and background processes
     "orphans",  # the spawn guard; a pid 1's reaper of orphaned zombies
     "procs",  # background processes and terminals: the requests

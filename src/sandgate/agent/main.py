@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
     from types import FrameType
 
-    from sandgate.agent import execute, files, frames, paths, ports, procs, threads, watch
+    from sandgate.agent import execute, files, frames, paths, ports, pressure, procs, threads, watch
     from sandgate.agent.log import log
     from sandgate.agent.request import AgentError, Header, at_pids_limit
     from sandgate.agent.state import AgentState
@@ -50,6 +50,7 @@ else:
     import files
     import frames
     import paths
+    import pressure
     import threads
     from log import log
     from request import AgentError, at_pids_limit
@@ -423,7 +424,9 @@ def _parse_args(argv: list[str]) -> dict[str, str]:
     copy-on-write root), so paths anywhere in it are served; ``--cwd``: where commands
     start by default (a template's WorkingDir); ``--loader L --library-path D``: the agent
     runs on a Python started by that dynamic loader (a template sandbox's agent runs on the
-    host's), and so do the programs it starts (kernel_bridge)."""
+    host's), and so do the programs it starts (kernel_bridge). ``--cpu-pressure FILE``:
+    where the host's CPU pressure is read (pressure.py; /proc/pressure/cpu by default), or
+    ``off``: never, so a shell is always started ahead of the next command (warm.py)."""
     options: dict[str, str] = {}
     args = iter(argv)
     for arg in args:
@@ -437,6 +440,7 @@ def _parse_args(argv: list[str]) -> dict[str, str]:
             "--library-path",
             "--env",
             "--mount",
+            "--cpu-pressure",
         )
         if name not in known:
             raise ValueError(f"unknown argument {arg!r}")
@@ -481,7 +485,9 @@ def main(argv: list[str]) -> int:
         key, sep, value = pair.partition("=")
         if sep and key:
             sandbox_env[key] = value
-    st = AgentState(roots, sandbox_env, options.get("cwd", "/workspace"))
+    psi = options.get("cpu-pressure", pressure.PSI_CPU)
+    cpu_stalled = None if psi == "off" else partial(pressure.read_stalled_us, psi)
+    st = AgentState(roots, sandbox_env, options.get("cwd", "/workspace"), cpu_stalled)
     if "loader" in options:
         library = options.get("library-path", "")
         st.python = (options["loader"], "--library-path", library, sys.executable)

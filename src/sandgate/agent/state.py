@@ -15,10 +15,13 @@ import time
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent start-up)
 
 if TYPE_CHECKING:
-    from sandgate.agent import orphans, ports, procs, threads, warm, watch
+    from collections.abc import Callable
+
+    from sandgate.agent import orphans, ports, pressure, procs, threads, warm, watch
     from sandgate.agent.request import Header
 else:
     import orphans
+    import pressure
     import threads
     import warm
 
@@ -57,7 +60,10 @@ class AgentState:
         roots: tuple[tuple[str, str], ...],
         sandbox_env: dict[str, str],
         cwd: str = "/workspace",
+        cpu_stalled: Callable[[], int | None] | None = None,
     ) -> None:
+        """``cpu_stalled``: the host's CPU stall total (pressure.py), read to decide whether
+        a shell is started ahead of the next command; None: never read, always started."""
         self.roots = roots  # (sandbox root, real directory): /workspace first, "/" last if any
         self.cwd = cwd  # where a command without a cwd starts (a template's WorkingDir)
         self.python: tuple[str, ...] = ()  # runs programs beside the agent (): its own
@@ -73,7 +79,9 @@ class AgentState:
         self.groups: set[int] = set()
         self.closing = False
         self.which_cache: dict[str, str] = {}  # executables found on PATH, by name
-        self.warm = warm.Warm()  # a shell started ahead of the next exec (warm.py)
+        # a shell started ahead of the next exec (warm.py), unless the CPUs are saturated
+        cpu = pressure.CpuPressure(cpu_stalled or pressure.never, time.monotonic())
+        self.warm = warm.Warm(cpu)
         # open file handles (files.py), at most MAX_HANDLES
         self.handles_lock = threading.Lock()
         self.handles: dict[int, Handle] = {}

@@ -38,7 +38,9 @@ A shell waits while the sandbox is in use: once no request came for the agent's 
 (threads.IDLE_SECONDS, 10 s) after the last shell command, it is ended. When a waiting shell
 turns out to be of no use (the next command asked for another program, directory or
 environment), it is killed and the next is not started until a command spawns again, so a
-caller that changes them every time pays at most one unused spawn in two.
+caller that changes them every time pays at most one unused spawn in two. While the host's
+CPUs are saturated (pressure.py), no shell is started ahead: with no CPU free between
+requests it would only be more work for them, and commands spawn as before.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (agent st
 
 if TYPE_CHECKING:
     import subprocess
+
+    from sandgate.agent.pressure import CpuPressure
 
 
 WARM_CODE_BYTES = 1024  # longer commands spawn: the loop reads ~4 bytes a microsecond
@@ -185,10 +189,11 @@ class Waiting:
 class Warm:
     """The sandbox's waiting shell (at most one) and whether to start the next."""
 
-    __slots__ = ("_lock", "_starting", "_used", "_waiting", "_wanted")
+    __slots__ = ("_cpu", "_lock", "_starting", "_used", "_waiting", "_wanted")
 
-    def __init__(self) -> None:
+    def __init__(self, cpu: CpuPressure) -> None:
         self._lock = threading.Condition(threading.Lock())  # notified when a start ends
+        self._cpu = cpu  # no shell is started ahead while the host's CPUs are saturated
         self._waiting: Waiting | None = None
         # what the next waiting shell is to be, set by a command that spawned, cleared by
         # one that found a shell of no use; None: start none
@@ -234,9 +239,13 @@ class Warm:
             self._lock.wait_for(lambda: not self._starting, START_WAIT_SECONDS)
 
     def due(self) -> Key | None:
-        """What to start now (the caller then calls `started`), or None."""
+        """What to start now (the caller then calls `started`), or None. None too while the
+        host's CPUs are saturated (pressure.py): the next command then spawns, and the shell
+        after it is started once they no longer are."""
         with self._lock:
             if self._waiting is not None or self._starting or self._wanted is None:
+                return None
+            if self._cpu.check(time.monotonic()):
                 return None
             self._starting = True
             return self._wanted

@@ -99,6 +99,9 @@ def runtime() -> Iterator[BwrapRuntime]:
         uid_base=SERVICE_UID_BASE,
         uid_count=SERVICE_UID_COUNT,
         uid_lock_dir=root / "uids",
+        # a shell started ahead of each command whatever the host's load (agent/pressure.py):
+        # what the tests see must not depend on what else runs on the machine
+        cpu_pressure="off",
     )
     try:
         with held_as_live(root):

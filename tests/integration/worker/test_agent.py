@@ -39,7 +39,11 @@ def with_output(header: frames.Header, payload: bytes) -> frames.Header:
 class Agent:
     """A tiny synchronous client: send requests, read responses in order of arrival."""
 
-    def __init__(self, tmp_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, tmp_path: Path, env: dict[str, str] | None = None, cpu_pressure: str = "off"
+    ) -> None:
+        """``cpu_pressure``: the agent's ``--cpu-pressure`` (off: a shell is started ahead of
+        each command whatever the host's load, agent/pressure.py)."""
         self.workspace = tmp_path / "ws"
         self.tmp = tmp_path / "tmp"
         self.workspace.mkdir()
@@ -56,6 +60,8 @@ class Agent:
                     str(self.workspace),
                     "--tmp",
                     str(self.tmp),
+                    "--cpu-pressure",
+                    cpu_pressure,
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

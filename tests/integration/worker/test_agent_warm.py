@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from sandgate.agent import frames
+from sandgate.agent.pressure import WINDOW_SECONDS
 from sandgate.worker.runtime.base import SandboxSpec
 from sandgate.worker.runtime.bwrap import BwrapRuntime
 from sandgate.worker.service import WorkerService
@@ -491,3 +492,73 @@ def test_at_the_pids_limit_the_waiting_shell_gives_its_pid_to_a_spawn(
     answer = seen["answer"]
     assert answer.get("exit_code") == 0, answer
     assert answer["stdout"] == "made room /tmp\n"
+
+
+PSI = "some avg10=0.00 avg60=0.00 avg300=0.00 total={}\nfull total=0\n"  # the kernel's, cut
+
+
+def test_no_shell_is_started_ahead_while_the_cpus_are_saturated(tmp_path: Path) -> None:
+    """With every CPU taken, a shell started ahead is only more work for them (throughput
+    with 4-8 clients was 7-10 % lower, agent/pressure.py): while the host's CPU pressure
+    says so, none is started and commands spawn; once it no longer does, one is again. The
+    pressure here is a file in PSI's format the test writes (the agent's --cpu-pressure)."""
+    psi = tmp_path / "cpu-pressure"
+    stalled = 0
+    psi.write_text(PSI.format(stalled))
+    agent = Agent(tmp_path, cpu_pressure=str(psi))
+
+    def saturate() -> None:
+        nonlocal stalled
+        time.sleep(WINDOW_SECONDS + 0.05)  # a new measure at the next command's answer
+        stalled += 10**9  # far more stall than the time since: every CPU taken
+        psi.write_text(PSI.format(stalled))
+
+    try:
+        assert run(agent, "true", "sh")["warm"] is False
+        one_waiting(agent)
+        saturate()
+        # the shell waiting is used; after the answer the CPUs are found saturated
+        assert run(agent, "true", "sh")["warm"] is True
+        saturate()
+        # none was started (one being started would have been waited for and used)
+        assert run(agent, "true", "sh")["warm"] is False
+        time.sleep(WINDOW_SECONDS + 0.05)  # no stall since: free again
+        assert run(agent, "true", "sh")["warm"] is False
+        one_waiting(agent)
+        assert run(agent, "true", "sh")["warm"] is True
+    finally:
+        agent.close()
+
+
+@pytest.mark.bwrap
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+@pytest.mark.skipif(not Path("/proc/pressure/cpu").exists(), reason="the host has no PSI")
+def test_in_a_sandbox_the_hosts_cpu_pressure_is_there_to_read(runtime: BwrapRuntime) -> None:
+    """The agent's default --cpu-pressure, /proc/pressure/cpu, is the host's inside a
+    sandbox too (its own /proc), and in the format pressure.read_stalled_us reads."""
+    service = WorkerService(runtime, capacity=1, state=WorkerLocalState())
+    spec = SandboxSpec(name="warm-psi")
+    seen: dict[str, Any] = {}
+
+    async def body() -> None:
+        await service.provision(spec)
+        try:
+            call = {"op": "exec", "language": "sh", "code": "cat /proc/pressure/cpu"}
+            header, payload = await service.handle(
+                {"op": "agent", "sandbox": spec.name, "call": {**call, "env": {}}, "timeout_s": 60},
+                b"",
+            )
+            seen["exit_code"] = header["exit_code"]
+            seen["stdout"] = payload[: header["stdout_bytes"]].decode()
+        finally:
+            await service.destroy(spec.name)
+
+    async def main() -> None:
+        await runtime.prepare()
+        await service.run(body)
+
+    asyncio.run(main())
+    assert seen["exit_code"] == 0, seen
+    first = seen["stdout"].split("\n", 1)[0]
+    assert first.startswith("some ") and " total=" in first, seen["stdout"]

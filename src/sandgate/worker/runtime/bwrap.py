@@ -221,13 +221,17 @@ class BwrapRuntime:
         workspaces: WorkspaceHost | None = None,
         direct_files: bool = True,
         favor_dynmods: bool = True,
+        cpu_pressure: str | None = None,
     ) -> None:
         """`uid_lock_dir` must be shared by every worker on the host that uses an overlapping
         uid range; the default is host-wide (/run/sandgate/uids), not per state_dir.
         `direct_files`: whole files on a sandbox's own disk are written and read by the
         worker itself where the host allows (`disk_files.py`), else all through the agent.
         `favor_dynmods`: the host's cgroup2 option favordynmods is turned on at prepare
-        (`dynmods.py`), so that a start's move into its cgroups does not wait."""
+        (`dynmods.py`), so that a start's move into its cgroups does not wait.
+        `cpu_pressure`: the agents' ``--cpu-pressure`` (agent/pressure.py: where the host's
+        CPU pressure is read; ``"off"``: never, so a shell is always started ahead of the next
+        command, whatever the load); None: the agent's default, /proc/pressure/cpu."""
         if not NAME_RE.fullmatch(worker_name):
             raise ValueError(f"invalid worker name {worker_name!r}: use [a-z0-9-], 1-63 chars")
         self.state_dir = Path(state_dir).absolute()
@@ -240,6 +244,7 @@ class BwrapRuntime:
         self._network_problem = "the runtime is not prepared"
         self._network_changes = asyncio.Lock()  # one set_network at a time: links, slots
         self._direct_files = direct_files
+        self._cpu_pressure = () if cpu_pressure is None else ("--cpu-pressure", cpu_pressure)
         self._favor_dynmods = favor_dynmods
         self._file_threads: disk_files.FileThreads | None = None  # set at prepare if it can
         self._spawner: spawner.Spawner | None = None  # set at prepare
@@ -469,6 +474,7 @@ class BwrapRuntime:
                     cwd=image_workdir(spec.image),
                     child_env=agent_env(spec.image)[1],
                 )
+            argv += self._cpu_pressure
             self._check_agent_dir()
         if not argv:
             raise InvalidRequestError("empty argv")
