@@ -179,10 +179,13 @@ AGENT_GROWTH: tuple[tuple[str, str, str], ...] = (
         "one per executable that exists in the sandbox (bounded by its disk quota)",
     ),
     (
-        "agent `Warm._waiting`, `Warm._wanted`, `Warm._cpu` (warm.py, pressure.py)",
+        "agent `Warm._waiting`, `Warm._wanted`, `Warm._cpu`, `Warm._answered`, "
+        "`Warm._quick` (warm.py, pressure.py)",
         "the shell started ahead of the next short `bash`/`sh` exec, waiting on a pipe; the "
         "language, directory and environment of the next one to start; the host's CPU stall "
-        "total at the last look and whether the CPUs were saturated (then none is started)",
+        "total at the last look and whether the CPUs were saturated; when the last answer "
+        "went and whether the last command came soon after one (saturated and soon: none is "
+        "started)",
         "one shell (one pid, ~1 MiB) per sandbox that ran a shell command in the last 10 s "
         "(`threads.IDLE_SECONDS`); ended when a command for another directory or environment "
         "comes, and at the agent's exit",

@@ -426,7 +426,8 @@ def _parse_args(argv: list[str]) -> dict[str, str]:
     runs on a Python started by that dynamic loader (a template sandbox's agent runs on the
     host's), and so do the programs it starts (kernel_bridge). ``--cpu-pressure FILE``:
     where the host's CPU pressure is read (pressure.py; /proc/pressure/cpu by default), or
-    ``off``: never, so a shell is always started ahead of the next command (warm.py)."""
+    ``off``: never, so the shell started ahead of the next command (warm.py) is started
+    whatever the load."""
     options: dict[str, str] = {}
     args = iter(argv)
     for arg in args:

@@ -2,8 +2,9 @@
 (PSI, ``/proc/pressure/cpu``), the share of time in which some runnable task waited for one.
 
 Work done ahead of demand, the shell warm.py starts after a command for the next one, pays
-off while a CPU is free to do it between requests. Once every CPU is taken it is only more
-work, and every request waits longer for it. Measured on a 2-CPU VM (docs/benchmarks.md,
+off while a CPU is free to do it between requests. Once every CPU is taken, for commands that
+come back to back it is only more work, and every request waits longer for it (warm.py still
+starts one after a command that came after a pause). Measured on a 2-CPU VM (docs/benchmarks.md,
 "Session 23"), clients each sending `execute` back to back to a sandbox of its own: with 1
 and 2 clients the shells started ahead gave 25 and 5 % more requests per second, with 4 and
 8 clients 10 and 7 % fewer. The share of time with a task waiting for a CPU was 38, 67, 89
@@ -37,12 +38,15 @@ def read_stalled_us(path: str) -> int | None:
     try:
         with open(path, "rb", buffering=0) as psi:
             line = psi.read(256).split(b"\n", 1)[0]
-    except OSError:  # no such file; EOPNOTSUPP with psi=0
+    except OSError:  # no such file (a kernel without PSI, or booted with psi=0)
         return None
     _, found, total = line.rpartition(b" total=")
     if not found or not line.startswith(b"some ") or not total.isdigit():
         return None
     return int(total)
+
+
+_UNREAD = -1  # CpuPressure._stalled before its first read
 
 
 class CpuPressure:
@@ -52,19 +56,26 @@ class CpuPressure:
     __slots__ = ("_at", "_read", "_stalled", "saturated")
 
     def __init__(self, read: Callable[[], int | None], now: float) -> None:
-        self._read = read  # read_stalled_us of a path, or a source that always has None
+        self._read = read  # read_stalled_us of a path, or `never`
         self._at = now
-        self._stalled = read()
+        # the total at `_at`; _UNREAD until the first check (no read at the agent's start,
+        # which is on a create's path); None: there is no PSI, the CPUs never count as saturated
+        self._stalled: int | None = _UNREAD
         self.saturated = False
 
     def check(self, now: float) -> bool:
         """Whether the CPUs are saturated: measured again if the last measure is at least
         `WINDOW_SECONDS` old, else as last measured."""
-        if self._stalled is None or now - self._at < WINDOW_SECONDS:
+        if self._stalled is None:
+            return False
+        if self._stalled == _UNREAD:
+            self._at, self._stalled = now, self._read()  # the first: the start of a measure
+            return False
+        if now - self._at < WINDOW_SECONDS:
             return self.saturated
         stalled = self._read()
-        if stalled is None:
-            self._stalled, self.saturated = None, False
+        if stalled is None:  # a read that failed (out of descriptors, say): tried again next
+            self.saturated = False
             return False
         share = (stalled - self._stalled) / 1e6 / (now - self._at)
         self._at, self._stalled = now, stalled

@@ -39,8 +39,10 @@ A shell waits while the sandbox is in use: once no request came for the agent's 
 turns out to be of no use (the next command asked for another program, directory or
 environment), it is killed and the next is not started until a command spawns again, so a
 caller that changes them every time pays at most one unused spawn in two. While the host's
-CPUs are saturated (pressure.py), no shell is started ahead: with no CPU free between
-requests it would only be more work for them, and commands spawn as before.
+CPUs are saturated (pressure.py), commands that come back to back (each within
+`QUICK_SECONDS` of the previous answer) get no shell started ahead: with no CPU to spare
+between them it is only more work, and they spawn as before. A command after a pause still
+gets one, started during the pause.
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ if TYPE_CHECKING:
 
 WARM_CODE_BYTES = 1024  # longer commands spawn: the loop reads ~4 bytes a microsecond
 START_WAIT_SECONDS = 5.0  # a command waits this long at most for a shell being started
+# a command within this of the answer before it is one of a quick succession: while the CPUs
+# are saturated, none gets a shell started ahead (Warm.due); one after a pause still does.
+# A script's commands come milliseconds apart (tens with hundreds of clients on two CPUs), a
+# person's or a language model's seconds apart
+QUICK_SECONDS = 0.5
 # the shells (by the name of the file a program resolves to: `sh` is dash on Debian, bash on
 # Fedora) and how each may be asked to run a command: (options before "-c")
 _LOGIN = frozenset({"-l", "--login"})  # bash's options that make it a login shell
@@ -189,11 +196,24 @@ class Waiting:
 class Warm:
     """The sandbox's waiting shell (at most one) and whether to start the next."""
 
-    __slots__ = ("_cpu", "_lock", "_starting", "_used", "_waiting", "_wanted")
+    __slots__ = (
+        "_answered",
+        "_cpu",
+        "_lock",
+        "_quick",
+        "_starting",
+        "_used",
+        "_waiting",
+        "_wanted",
+    )
 
     def __init__(self, cpu: CpuPressure) -> None:
         self._lock = threading.Condition(threading.Lock())  # notified when a start ends
-        self._cpu = cpu  # no shell is started ahead while the host's CPUs are saturated
+        # no shell is started ahead while the host's CPUs are saturated and the commands come
+        # in quick succession (`due`)
+        self._cpu = cpu
+        self._answered = 0.0  # when the last command's answer went (`due` is called then)
+        self._quick = False  # the last shell command came within QUICK_SECONDS of it
         self._waiting: Waiting | None = None
         # what the next waiting shell is to be, set by a command that spawned, cleared by
         # one that found a shell of no use; None: start none
@@ -210,6 +230,7 @@ class Warm:
         them: start none until a spawn finds no shell waiting)."""
         with self._lock:
             self._used = time.monotonic()
+            self._quick = self._used - self._answered < QUICK_SECONDS
             self._settle(key)
             waiting, self._waiting = self._waiting, None
             fits = waiting is None or waiting.key == key
@@ -239,13 +260,17 @@ class Warm:
             self._lock.wait_for(lambda: not self._starting, START_WAIT_SECONDS)
 
     def due(self) -> Key | None:
-        """What to start now (the caller then calls `started`), or None. None too while the
-        host's CPUs are saturated (pressure.py): the next command then spawns, and the shell
-        after it is started once they no longer are."""
+        """What to start now, after a command's answer (the caller then calls `started`), or
+        None. None too while the host's CPUs are saturated (pressure.py) if this command
+        came within QUICK_SECONDS of the answer before it: with no CPU to spare, a shell
+        started ahead of commands that come back to back is only more work; the next command
+        spawns, and the shell after it is started once the CPUs are free again or after a
+        command that came after a pause (its shell starts in the pause)."""
         with self._lock:
+            self._answered = time.monotonic()
             if self._waiting is not None or self._starting or self._wanted is None:
                 return None
-            if self._cpu.check(time.monotonic()):
+            if self._quick and self._cpu.check(self._answered):
                 return None
             self._starting = True
             return self._wanted

@@ -229,11 +229,14 @@ class BwrapRuntime:
         worker itself where the host allows (`disk_files.py`), else all through the agent.
         `favor_dynmods`: the host's cgroup2 option favordynmods is turned on at prepare
         (`dynmods.py`), so that a start's move into its cgroups does not wait.
-        `cpu_pressure`: the agents' ``--cpu-pressure`` (agent/pressure.py: where the host's
-        CPU pressure is read; ``"off"``: never, so a shell is always started ahead of the next
-        command, whatever the load); None: the agent's default, /proc/pressure/cpu."""
+        `cpu_pressure`: the agents' ``--cpu-pressure`` (agent/pressure.py): the file, as a
+        path inside the sandbox, where the host's CPU pressure is read, or ``"off"``: never,
+        so the shell started ahead of the next command (agent/warm.py) is started whatever
+        the load; None: the agent's default, /proc/pressure/cpu."""
         if not NAME_RE.fullmatch(worker_name):
             raise ValueError(f"invalid worker name {worker_name!r}: use [a-z0-9-], 1-63 chars")
+        if cpu_pressure == "":
+            raise ValueError("cpu_pressure: a path inside the sandbox, 'off' or None")
         self.state_dir = Path(state_dir).absolute()
         self.agent_dir = Path(agent_dir).absolute()
         self.worker_name = worker_name
