@@ -6,7 +6,6 @@ answers a client sees for a rate limit, a quota, a full queue, and GET /api/v1/a
 from __future__ import annotations
 
 import concurrent.futures
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.api.conftest import Deployment, sandgate, start_deployment, wait_until
+from tests.integration.api.conftest import (
+    Deployment,
+    sandgate,
+    start_deployment,
+    tear_down,
+    wait_until,
+)
 
 
 @pytest.fixture
@@ -25,8 +30,7 @@ def small(tmp_path: Path) -> Iterator[Deployment]:
         dep.start_worker(capacity=1)
         yield dep
     finally:
-        dep.stop()
-        shutil.rmtree(dep.state_dir, ignore_errors=True)
+        tear_down(dep)
 
 
 def tenant(dep: Deployment, name: str, *limits: str) -> httpx.Client:
@@ -180,5 +184,4 @@ def test_deleting_a_sandbox_whose_start_hangs_answers_its_create_409(tmp_path: P
             state = alpha.get(f"/api/v1/sandboxes/{pending[0]}")
             assert state.status_code == 404  # deleted, and it stays so
     finally:
-        dep.stop()
-        shutil.rmtree(dep.state_dir, ignore_errors=True)
+        tear_down(dep)

@@ -12,7 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.api.conftest import RUNTIME, Deployment, start_deployment, wait_until
+from tests.integration.api.conftest import (
+    RUNTIME,
+    Deployment,
+    start_deployment,
+    tear_down,
+    wait_until,
+)
 
 
 @pytest.fixture
@@ -21,7 +27,7 @@ def own(tmp_path: Path) -> Iterator[Deployment]:
     try:
         yield dep
     finally:
-        dep.stop()
+        tear_down(dep)  # its worker state too (each test's own)
 
 
 def restart_server(dep: Deployment) -> None:
@@ -169,7 +175,7 @@ def test_a_failed_keyed_create_can_be_retried_and_leaves_nothing(tmp_path: Path)
             assert replay.json()["name"] == again.json()["name"]
             assert not (dep.state_dir / "w1" / "sandboxes" / orphan).exists()
     finally:
-        dep.stop()
+        tear_down(dep)  # its worker state too (each test's own)
 
 
 def test_a_frozen_worker_is_tunnel_loss_and_its_keyed_create_lands_once_it_thaws(
@@ -200,4 +206,4 @@ def test_a_frozen_worker_is_tunnel_loss_and_its_keyed_create_lands_once_it_thaws
             listed = alpha.get("/api/v1/sandboxes").json()["sandboxes"]
             assert [s["name"] for s in listed] == [replay.json()["name"]]
     finally:
-        dep.stop()
+        tear_down(dep)  # its worker state too (each test's own)
