@@ -115,6 +115,7 @@ async def baseline_agent(runtime_name: str, n: int, state_dir: Path) -> list[flo
         await runtime.stop(running)
         serve.cancel()
         await asyncio.gather(serve, return_exceptions=True)
+        await runtime.close()  # its worker's cgroups too, as a worker's exit does
 
 
 def pss_of_sandboxes(state_dir: Path, worker: str) -> tuple[float, int] | None:
