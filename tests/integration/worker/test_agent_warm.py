@@ -17,7 +17,7 @@ import queue
 import shutil
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -356,35 +356,53 @@ def test_a_request_with_an_unhashable_op_is_refused_and_the_agent_goes_on(agent:
     assert agent.exec("echo still here")["stdout"] == "still here\n"
 
 
+Run = Callable[..., Awaitable[dict[str, Any]]]
+
+
+def in_a_sandbox(
+    runtime: BwrapRuntime, spec: SandboxSpec, body: Callable[[Run], Awaitable[None]]
+) -> None:
+    """``body(run)`` with ``spec`` running in a real bwrap sandbox, destroyed after:
+    ``await run(code, **fields)`` is an ``exec`` (bash unless a field says otherwise) through
+    the worker's service, answered with the agent's header and the command's stdout."""
+    service = WorkerService(runtime, capacity=1, state=WorkerLocalState())
+
+    async def run(code: str, **fields: Any) -> dict[str, Any]:
+        call = {"op": "exec", "language": "bash", "code": code, "timeout": 30, "env": {}}
+        header, payload = await service.handle(
+            {"op": "agent", "sandbox": spec.name, "call": {**call, **fields}, "timeout_s": 60},
+            b"",
+        )
+        return {**header, "stdout": payload[: header["stdout_bytes"]].decode()}
+
+    async def whole() -> None:
+        await service.provision(spec)
+        try:
+            await body(run)
+        finally:
+            await service.destroy(spec.name)
+
+    async def main() -> None:
+        await runtime.prepare()
+        await service.run(whole)
+
+    asyncio.run(main())
+
+
 @pytest.mark.bwrap
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
 def test_in_a_sandbox_the_next_command_runs_in_the_waiting_shell(runtime: BwrapRuntime) -> None:
     """In a real bwrap sandbox, where the agent is pid 1 and /proc is the sandbox's own: the
     waiting shell is found, its directory checked, and its command's exit code exact."""
-    service = WorkerService(runtime, capacity=1, state=WorkerLocalState())
-    spec = SandboxSpec(name="warm-1")
     answers: list[dict[str, Any]] = []
 
-    async def run(code: str) -> dict[str, Any]:
-        call = {"op": "exec", "language": "bash", "code": code, "timeout": 30, "env": {}}
-        header, payload = await service.handle(
-            {"op": "agent", "sandbox": spec.name, "call": call, "timeout_s": 60}, b""
-        )
-        return {**header, "stdout": payload[: header["stdout_bytes"]].decode()}
-
-    async def body() -> None:
-        await service.provision(spec)
+    async def body(run: Run) -> None:
         for i in range(20):
             answers.append(await run(f"echo $PPID; exit {i + 1}"))
             await asyncio.sleep(0.05)
-        await service.destroy(spec.name)
 
-    async def main() -> None:
-        await runtime.prepare()
-        await service.run(body)
-
-    asyncio.run(main())
+    in_a_sandbox(runtime, SandboxSpec(name="warm-1"), body)
     assert [a["exit_code"] for a in answers] == list(range(1, 21))
     assert {a["stdout"] for a in answers} == {"1\n"}  # the agent, pid 1, started each shell
     assert answers[0]["warm"] is False
@@ -444,20 +462,9 @@ def test_at_the_pids_limit_the_waiting_shell_gives_its_pid_to_a_spawn(
     does not go to that shell (python) must still be spawned: the shell is ended for it
     (warm.make_room), where the spawn would have been refused with 429. (A shell command
     for another directory or environment ends the shell anyway: warm.take.)"""
-    service = WorkerService(runtime, capacity=1, state=WorkerLocalState())
     spec = SandboxSpec(name="warm-limit", pids=40)
     group = f"{runtime.worker_name}/{spec.name}"
     seen: dict[str, Any] = {}
-
-    async def run(code: str, **fields: Any) -> dict[str, Any]:
-        call = {"op": "exec", "language": "bash", "code": code, "timeout": 30, "env": {}}
-        header, payload = await service.handle(
-            {"op": "agent", "sandbox": spec.name, "call": {**call, **fields}, "timeout_s": 60},
-            b"",
-        )
-        if header.get("ok") is False:
-            return header
-        return {**header, "stdout": payload[: header["stdout_bytes"]].decode()}
 
     async def full(group: Path) -> bool:
         deadline = time.monotonic() + 30
@@ -469,30 +476,22 @@ def test_at_the_pids_limit_the_waiting_shell_gives_its_pid_to_a_spawn(
             await asyncio.sleep(0.1)
         return False
 
-    async def body() -> None:
-        await service.provision(spec)
-        try:
-            assert (await run("true"))["exit_code"] == 0
-            started = await run(f"python3 -c '{FILLER}' >/dev/null 2>&1 &")
-            assert started["exit_code"] == 0, started
-            shells: list[int] = []
-            deadline = time.monotonic() + 10
-            while not shells and time.monotonic() < deadline:
-                shells = host_waiting_shells(group)
-                await asyncio.sleep(0.02)
-            assert len(shells) == 1, shells
-            seen["filled"] = await full(pids_group(shells[0]))
-            seen["shell_before"] = host_waiting_shells(group)
-            code = "import os; print('made room', os.getcwd())"
-            seen["answer"] = await run(code, language="python", cwd="/tmp")
-        finally:
-            await service.destroy(spec.name)
+    async def body(run: Run) -> None:
+        assert (await run("true"))["exit_code"] == 0
+        started = await run(f"python3 -c '{FILLER}' >/dev/null 2>&1 &")
+        assert started["exit_code"] == 0, started
+        shells: list[int] = []
+        deadline = time.monotonic() + 10
+        while not shells and time.monotonic() < deadline:
+            shells = host_waiting_shells(group)
+            await asyncio.sleep(0.02)
+        assert len(shells) == 1, shells
+        seen["filled"] = await full(pids_group(shells[0]))
+        seen["shell_before"] = host_waiting_shells(group)
+        code = "import os; print('made room', os.getcwd())"
+        seen["answer"] = await run(code, language="python", cwd="/tmp")
 
-    async def main() -> None:
-        await runtime.prepare()
-        await service.run(body)
-
-    asyncio.run(main())
+    in_a_sandbox(runtime, spec, body)
     assert seen["filled"], "the filler did not take every pid"
     assert len(seen["shell_before"]) == 1
     answer = seen["answer"]
@@ -563,28 +562,12 @@ def test_in_a_sandbox_the_hosts_cpu_pressure_is_there_to_read(
 ) -> None:
     """The agent's default --cpu-pressure, /proc/pressure/cpu, is the host's inside a
     sandbox too (its own /proc), and in the format pressure.read_stalled_us reads."""
-    service = WorkerService(runtime, capacity=1, state=WorkerLocalState())
-    spec = SandboxSpec(name="warm-psi")
     seen: dict[str, Any] = {}
 
-    async def body() -> None:
-        await service.provision(spec)
-        try:
-            call = {"op": "exec", "language": "sh", "code": "cat /proc/pressure/cpu"}
-            header, payload = await service.handle(
-                {"op": "agent", "sandbox": spec.name, "call": {**call, "env": {}}, "timeout_s": 60},
-                b"",
-            )
-            seen["exit_code"] = header["exit_code"]
-            seen["stdout"] = payload[: header["stdout_bytes"]].decode()
-        finally:
-            await service.destroy(spec.name)
+    async def body(run: Run) -> None:
+        seen.update(await run("cat /proc/pressure/cpu", language="sh"))
 
-    async def main() -> None:
-        await runtime.prepare()
-        await service.run(body)
-
-    asyncio.run(main())
+    in_a_sandbox(runtime, SandboxSpec(name="warm-psi"), body)
     assert seen["exit_code"] == 0, seen
     copy = tmp_path / "cpu"
     copy.write_text(seen["stdout"])
