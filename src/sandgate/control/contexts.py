@@ -54,6 +54,10 @@ DELETE_SECONDS = 10.0  # then a context's process that did not exit is killed
 CONTEXT_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
 
 
+class _BridgeEnded(Exception):
+    """A context's bridge exited before its kernel answered (ContextService.restart)."""
+
+
 @dataclass(frozen=True)
 class Context:
     id: str
@@ -205,7 +209,7 @@ class ContextService:
         context: Context,
         offset: int,
         wanted: tuple[str, str],
-        ended: SandgateError,
+        ended: Exception,
     ) -> None:
         """Until the bridge's line `wanted[0]` (`ready`, `restarted`) from `offset`: its
         kernel answers. Its error of op `wanted[1]` (`start`, `restart`: the kernel could not
@@ -250,10 +254,30 @@ class ContextService:
     async def restart(self, tenant: TenantId, name: str, context_id: str) -> Context:
         context = await self.get(tenant, name, context_id)
         await self._send(tenant, name, context.pid, {"op": "restart"})
-        ended = ConflictError(f"context {context_id} ended while restarting")
         wanted = ("restarted", "restart")
-        await self._kernel_answers(tenant, name, context, context.output_end, wanted, ended)
+        try:
+            await self._kernel_answers(
+                tenant, name, context, context.output_end, wanted, _BridgeEnded()
+            )
+        except _BridgeEnded:
+            raise await self._why_ended(tenant, name, context) from None
         return context
+
+    async def _why_ended(self, tenant: TenantId, name: str, context: Context) -> SandgateError:
+        """What to answer for a context whose bridge exited while its kernel restarted: one
+        that ended itself (a delete closed its stdin) is gone, a conflict; one that was killed
+        (the memory limit's doing, most often: a kernel starting takes ~100 MiB) is the
+        worker's error, saying what a kernel needs room for."""
+        try:
+            code = (await self.toolbox.process(tenant, name, context.pid)).exit_code
+        except NotFoundError:
+            code = None
+        if code is not None and code > 128:
+            return WorkerError(
+                f"the process of context {context.id} was killed (signal {code - 128}) while "
+                f"its kernel restarted ({KERNEL_ROOM}); create the context again"
+            )
+        return ConflictError(f"context {context.id} ended while restarting")
 
     async def _follow_run(
         self, tenant: TenantId, name: str, pid: int, offset: int, run_id: str

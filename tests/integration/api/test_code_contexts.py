@@ -264,3 +264,25 @@ def test_a_restart_is_failed_only_by_its_own_error(alpha: httpx.Client, sandbox:
         restarted = restarting.result(timeout=90)
     assert restarted.status_code == 200, restarted.text
     assert alpha.delete(f"{base}/contexts/{ctx}").status_code == 204
+
+
+def test_a_context_killed_while_its_kernel_restarts_is_the_workers_error(
+    alpha: httpx.Client, sandbox: str
+) -> None:
+    """A bridge killed during a restart (the memory limit, most often: a kernel starting
+    takes ~100 MiB) answered 409 "ended while restarting", as for a context deleted then:
+    it is a 502 that says it was killed and what a kernel needs room for."""
+    base = f"/api/v1/sandboxes/{sandbox}"
+    ctx = alpha.post(f"{base}/contexts", json={}).json()["id"]
+    listed = alpha.get(f"{base}/toolbox/processes").json()["processes"]
+    bridge = next(p["pid"] for p in listed if f"--context {ctx}" in p["command"])
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        restarting = pool.submit(alpha.post, f"{base}/contexts/{ctx}/restart", timeout=90)
+        time.sleep(0.2)  # the restart is under way: a kernel takes about a second to start
+        killed = alpha.post(f"{base}/toolbox/processes/{bridge}/signal", json={"signal": "SIGKILL"})
+        assert killed.status_code in (200, 204), killed.text
+        restarted = restarting.result(timeout=90)
+    assert restarted.status_code == 502, restarted.text
+    error = restarted.json()["error"]
+    assert error["code"] == "worker_error"
+    assert "killed (signal 9)" in error["message"] and "resources.memory_mb" in error["message"]
