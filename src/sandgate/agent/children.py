@@ -198,10 +198,14 @@ class Entry:
         while not self.reap():
             time.sleep(0.01)
 
-    def signal_group(self, signum: int) -> None:
+    def signal_group(self, signum: int) -> bool:
+        """Send ``signum`` to the process's group; False if it had already ended (nothing
+        was sent)."""
         with self.lock:
             if self.alive:
                 killpg(self.pid, signum)
+                return True
+            return False
 
     def signal_session(self, signum: int) -> None:
         with self.lock:

@@ -451,8 +451,7 @@ class Registry:
 
     def _proc_signal(self, req: Header, payload: bytes) -> tuple[Header, bytes]:
         entry = self._entry(req, terminal=None)
-        entry.signal_group(self._signal_number(req.get("signal")))
-        return {}, b""
+        return {"running": entry.signal_group(self._signal_number(req.get("signal")))}, b""
 
     def _signal_number(self, value: Any) -> int:
         if isinstance(value, str):

@@ -115,6 +115,13 @@ class TaggedWriteReply(_Reply):
     output_end: int = Field(ge=0)
 
 
+class SignalReply(_Reply):
+    """proc_signal: whether the process still ran (False: it had exited, nothing was sent;
+    an agent from before the field said so is taken as True)."""
+
+    running: bool = True
+
+
 class StartedReply(_Reply):
     """proc_start with a `wait`: the pid and the first read of its output."""
 

@@ -39,6 +39,7 @@ from sandgate.control.replies import (
     PidReply,
     Process,
     ProcessesReply,
+    SignalReply,
     StartedReply,
     TaggedWriteReply,
     WatchReadReply,
@@ -443,8 +444,10 @@ class Toolbox:
         reply = parse(TaggedWriteReply, raw)
         return reply.pid, reply.output_end
 
-    async def signal_process(self, tenant: TenantId, name: str, pid: int, signal: str) -> None:
-        await self.agent_call(tenant, name, "proc_signal", {"pid": pid, "signal": signal})
+    async def signal_process(self, tenant: TenantId, name: str, pid: int, signal: str) -> bool:
+        """Signal the process's group; False if it had already exited (nothing was sent)."""
+        raw, _ = await self.agent_call(tenant, name, "proc_signal", {"pid": pid, "signal": signal})
+        return parse(SignalReply, raw).running
 
     # -- terminals -------------------------------------------------------------------------
     async def open_terminal(

@@ -318,3 +318,24 @@ def test_keys_waiting_out_the_limit_never_reach_the_shell_once_the_client_left(
         while time.monotonic() < watched_until:
             assert alpha.get(files, params={"path": "typed-then-left"}).status_code == 404
             time.sleep(0.25)
+
+
+def test_an_e2b_kill_at_the_pids_limit_of_a_process_that_has_exited_is_false(
+    deployment: Deployment, alpha: httpx.Client
+) -> None:
+    """At the limit the look-up before the signal is refused, and the signal is sent blind:
+    for a process that had exited (still listed, for its output) the kill answered True,
+    though nothing was signalled. The signal's answer now says the process had ended, and
+    the kill is NOT_FOUND (False), as it is off the limit."""
+    with limited_sandbox(alpha, pids=32) as name:
+        done = alpha.post(procs(name), json={"command": "true"})
+        assert done.status_code == 201, done.text
+        ended = int(done.json()["pid"])
+        wait_exited(alpha, name, ended)
+        bomb = start_bomb(alpha, name)
+        followers = hold_every_thread(alpha, name, bomb)
+        sandbox = Sandbox.connect(name, **E2B(deployment.keys["alpha"], deployment.url).options())
+        assert sandbox.commands.kill(ended) is False
+        assert sandbox.commands.kill(bomb) is True
+        wait_exited(alpha, name, bomb)
+        join(followers)

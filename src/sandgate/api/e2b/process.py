@@ -305,11 +305,13 @@ class ProcessService(OnToolbox, process_connect.Process):
                 if exc.limit != "pids":
                     raise
                 # a sandbox at its pids limit answers no look-up but still takes a signal,
-                # the way to get its pids back: sent without knowing the state
+                # the way to get its pids back: sent without knowing the state, which its
+                # answer then gives
                 state = "running"
-            if state != "running":
+            if state != "running" or not await self.toolbox.signal_process(
+                who.tenant, who.sandbox, pid, name
+            ):
                 raise ConnectError(Code.NOT_FOUND, f"process {pid} is not running")
-            await self.toolbox.signal_process(who.tenant, who.sandbox, pid, name)
         return pb.SendSignalResponse()
 
     async def update(
