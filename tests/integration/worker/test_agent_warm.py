@@ -37,21 +37,29 @@ from tests.integration.worker.test_agent_procs import agent as agent  # the fixt
 LOOP_MARK = b"__sandgate_"  # in the waiting shell's command line (warm.py's reading loop)
 
 
-def waiting_shells(agent: Agent) -> list[int]:
-    """The agent's children that are waiting shells."""
+def shells_on_the_host(keep: Callable[[int], bool]) -> list[int]:
+    """The waiting shells on the host (their command line carries the loop's mark) that
+    ``keep(pid)`` takes; one gone meanwhile is left out."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            stat = Path(f"/proc/{entry}/stat").read_bytes()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            if LOOP_MARK in Path(f"/proc/{entry}/cmdline").read_bytes() and keep(int(entry)):
+                found.append(int(entry))
         except OSError:
             continue
-        ppid = int(stat.rpartition(b")")[2].split()[1])
-        if ppid == agent.proc.pid and LOOP_MARK in cmdline:
-            found.append(int(entry))
     return found
+
+
+def waiting_shells(agent: Agent) -> list[int]:
+    """The agent's children that are waiting shells."""
+
+    def child(pid: int) -> bool:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        return int(stat.rpartition(b")")[2].split()[1]) == agent.proc.pid
+
+    return shells_on_the_host(child)
 
 
 def one_waiting(agent: Agent, timeout: float = 10.0) -> int:
@@ -427,19 +435,9 @@ FILLER = (
 
 
 def host_waiting_shells(group: str) -> list[int]:
-    """Waiting shells on the host (their command line carries the loop's mark) whose pids
-    cgroup ends with ``group`` (``<worker>/<sandbox>``): other tests' sandboxes have theirs."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if LOOP_MARK in Path(f"/proc/{entry}/cmdline").read_bytes() and str(
-                    pids_group(int(entry))
-                ).endswith(f"/{group}"):
-                    found.append(int(entry))
-            except (OSError, AssertionError):  # gone meanwhile
-                continue
-    return found
+    """Waiting shells whose pids cgroup ends with ``group`` (``<worker>/<sandbox>``): other
+    tests' sandboxes have theirs."""
+    return shells_on_the_host(lambda pid: str(pids_group(pid)).endswith(f"/{group}"))
 
 
 def pids_group(pid: int) -> Path:
