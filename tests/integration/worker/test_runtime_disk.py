@@ -132,7 +132,9 @@ def test_the_disk_is_mounted_in_the_sandboxs_namespace_alone_and_a_stop_detaches
     rt: BwrapRuntime,
 ) -> None:
     async def scenario() -> tuple[Path, Path, str, list[Path], str]:
-        sb = await rt.start(SandboxSpec(name=uniq("um")), argv=py("print('up')"))
+        # alive until the stop: a process that has exited has no mount table to read (EINVAL)
+        up = "import time; print('up', flush=True); time.sleep(120)"
+        sb = await rt.start(SandboxSpec(name=uniq("um")), argv=py(up))
         sandbox_dir: Path = sb.private["sandbox_dir"]
         image = sandbox_dir / disk.IMAGE_NAME
         await readline(sb)
